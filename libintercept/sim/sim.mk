@@ -1,0 +1,42 @@
+# Rules for the CPU stand-in runtime (included by libintercept/Makefile).
+# Paths are relative to libintercept/.
+SIM_OUT   := $(BUILD)/sim
+SIMT_OUT  := $(BUILD)/sim-tests
+SIM_CPPFLAGS := -Iabi -Isim
+
+# Real headers for `make check-abi`; each check is skipped when absent.
+CUDA_INCLUDE ?= /usr/local/cuda/include
+NCCL_WHEEL_DIR := $(BUILD)/nccl-wheel
+NCCL_INCLUDE ?= $(firstword $(patsubst %/nccl.h,%,$(wildcard \
+	$(NCCL_WHEEL_DIR)/nvidia/nccl/include/nccl.h /usr/include/nccl.h \
+	$(CUDA_INCLUDE)/nccl.h)))
+
+.PHONY: check-abi check-abi-own fetch-nccl-header clean-sim
+
+check-abi: check-abi-own
+	@if [ -f $(CUDA_INCLUDE)/cuda_runtime_api.h ]; then \
+	  set -e; mkdir -p $(SIM_OUT)/check; \
+	  echo "check-abi: CUDA runtime vs $(CUDA_INCLUDE)"; \
+	  $(CC) $(CFLAGS) -Iabi -I$(CUDA_INCLUDE) -c -o $(SIM_OUT)/check/cuda.o abi/check_cuda_abi.c; \
+	  $(CXX) -Wall -Wextra -Werror -Wno-unused-variable -Iabi -I$(CUDA_INCLUDE) -fsyntax-only abi/check_cuda_abi_cxx.cc; \
+	else echo "check-abi: SKIPPED CUDA (no $(CUDA_INCLUDE)/cuda_runtime_api.h)"; fi
+	@if [ -n "$(NCCL_INCLUDE)" ] && [ -f $(CUDA_INCLUDE)/cuda_runtime.h ]; then \
+	  set -e; mkdir -p $(SIM_OUT)/check; \
+	  echo "check-abi: NCCL vs $(NCCL_INCLUDE)/nccl.h"; \
+	  $(CC) $(CFLAGS) -Iabi -I$(NCCL_INCLUDE) -I$(CUDA_INCLUDE) -c -o $(SIM_OUT)/check/nccl.o abi/check_nccl_abi.c; \
+	else echo "check-abi: SKIPPED NCCL (no nccl.h; try 'make -C libintercept fetch-nccl-header')"; fi
+
+check-abi-own:
+	@mkdir -p $(SIM_OUT)/check
+	$(CC) $(CFLAGS) -Iabi -o $(SIM_OUT)/check/own abi/check_own_abi.c
+
+# Fetches nccl.h from the nvidia-nccl-cu13 wheel into $(BUILD) (network, ~300 MB
+# download; nothing is installed).
+fetch-nccl-header:
+	mkdir -p $(NCCL_WHEEL_DIR)
+	pip download --no-deps -d $(NCCL_WHEEL_DIR) nvidia-nccl-cu13
+	cd $(NCCL_WHEEL_DIR) && unzip -o -q nvidia_nccl_cu13-*.whl 'nvidia/nccl/include/nccl.h'
+
+clean: clean-sim
+clean-sim:
+	rm -rf $(SIM_OUT) $(SIMT_OUT)
