@@ -1,0 +1,106 @@
+"""The public surface: ``register`` and ``get_checkpoint_path``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from . import config, layout
+from .runtime import Runtime, SaveFn
+
+_runtime: Runtime | None = None
+_registered_at: str | None = None
+
+
+def _get_runtime() -> Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(config.from_env())
+    return _runtime
+
+
+def install() -> Runtime:
+    """Attach the runtime to torch (jitrun's bootstrap calls this before the
+    user's script runs; ``register`` calls it when the bootstrap did not)."""
+    rt = _get_runtime()
+    if getattr(rt, "_installed", False) or not rt.cfg.managed:
+        return rt
+    from . import hooks
+
+    rt.connect()
+    hooks.install(rt)
+    rt.install_signal_watch()
+    _attach_intercept(rt)
+    rt._installed = True
+    return rt
+
+
+def _attach_intercept(rt: Runtime) -> None:
+    # With libintercept preloaded (GPU path) its watchdog detects NCCL hangs
+    # and calls back into the runtime holding the GIL.
+    if "libjitintercept" not in os.environ.get("LD_PRELOAD", ""):
+        return
+    try:
+        from . import intercept
+    except ImportError:
+        return
+    if intercept.loaded():
+        intercept.set_hang_handler(rt._on_hang)
+
+
+def register(save_fn: SaveFn, *, shard: str | int | None = None) -> None:
+    """Register the function that writes this rank's state for a JIT save.
+
+    ``save_fn(ckpt_dir)`` must write everything needed to redo the current
+    minibatch exactly into ``ckpt_dir`` (see README, "The save_fn contract"),
+    without collectives. ``shard`` names the part of the model state this rank
+    holds; ranks with equal ``shard`` are data-parallel replicas (default: all
+    ranks are replicas). Outside jitrun this only records the function.
+    """
+    global _registered_at
+    if not callable(save_fn):
+        raise TypeError(
+            f"jitckpt.register: save_fn must be a callable taking the checkpoint directory "
+            f"(str), got {type(save_fn).__name__} {save_fn!r}"
+        )
+    if _registered_at is not None:
+        raise RuntimeError(
+            f"jitckpt.register was already called at {_registered_at}; register one save_fn "
+            "per process (combine your state into one function)"
+        )
+    shard_name = "0" if shard is None else str(shard)
+    layout.shard_dirname(shard_name)  # validates, with a clear message
+    caller = traceback.extract_stack(limit=2)[0]
+    _registered_at = f"{caller.filename}:{caller.lineno}"
+    rt = install()
+    rt.save_fn = save_fn
+    rt.shard = shard_name
+    rt.report("registered", shard=shard_name, pid=os.getpid())
+
+
+def get_checkpoint_path() -> str | None:
+    """Directory of the newest complete replica checkpoint for this rank's
+    shard, verified against its manifest checksums, or None."""
+    rt = _get_runtime()
+    cfg = rt.cfg
+    if cfg.root is None or not cfg.root.is_dir():
+        return None
+    replicas, rejected = layout.scan(cfg.root, cfg.job_id or None)
+    for path, why in rejected:
+        print(f"[jitckpt] rank {cfg.rank}: ignoring {path}: {why}", file=sys.stderr)
+    env_step = os.environ.get("JITCKPT_RESTORE_STEP", "").strip()
+    if env_step == "none":
+        return None
+    if env_step:
+        step = int(env_step)
+    else:
+        step = layout.select_step(replicas, {r.shard for r in replicas})
+    if step is None:
+        return None
+    rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
+    if rep is None:
+        return None
+    rt.steps_done = rep.step
+    rt.restored = True
+    return str(rep.path)

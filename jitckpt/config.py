@@ -1,0 +1,52 @@
+"""What jitrun tells each worker, read from the environment once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Exit codes of a worker that handled a failure (documented in README).
+EXIT_SAVED = 75  # a JIT checkpoint was published, the worker stopped on purpose
+EXIT_NOT_SAVED = 76  # a failure was detected but no consistent state could be saved
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    root: Path | None  # jit dir; None when not launched by jitrun
+    job_id: str
+    token: str
+    timeout_s: float
+    rank: int
+    world_size: int
+    restart_count: int
+    restore_step: int | None
+    store_addr: tuple[str, int] | None
+    fault_spec: str
+
+    @property
+    def managed(self) -> bool:
+        """True under jitrun: reports and JIT saves are possible."""
+        return self.root is not None and bool(self.token)
+
+
+def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
+    root = env.get("JITCKPT_DIR")
+    restore = env.get("JITCKPT_RESTORE_STEP", "")
+    addr = None
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    return WorkerConfig(
+        root=Path(root) if root else None,
+        job_id=env.get("JITCKPT_JOB_ID", ""),
+        token=env.get("JITCKPT_TOKEN", ""),
+        timeout_s=float(env.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S),
+        rank=int(env.get("RANK", "0")),
+        world_size=int(env.get("WORLD_SIZE", "1")),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restore_step=int(restore) if restore.strip() else None,
+        store_addr=addr,
+        fault_spec=env.get("JITCKPT_FAULT", ""),
+    )

@@ -1,0 +1,120 @@
+"""Fault injection for users and tests: ``JITCKPT_FAULT``.
+
+Format: one or more specs separated by ``;``, each a comma list of key=value::
+
+    JITCKPT_FAULT="rank=1,step=3,phase=backward,kind=sigkill"
+    JITCKPT_FAULT="rank=2,step=4,phase=forward,kind=sigkill;rank=0,phase=save,kind=exit"
+
+keys:
+  rank     global rank that fails (required)
+  step     minibatch index (0-based global step) at which it fires; not used
+           for phase=save (fires on that rank's first JIT save). Default 0.
+  phase    forward | backward | allreduce | optimizer | save
+  kind     sigkill | sigstop | exception | hang | exit
+           (hang = blocks forever while holding the GIL; exit = os._exit(13))
+  attempt  restart count (TORCHELASTIC_RESTART_COUNT) on which it fires;
+           default 0, so a recovered job does not fail again at the same point.
+
+Each spec fires at most once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from typing import Callable
+
+PHASES = ("forward", "backward", "allreduce", "optimizer", "save")
+KINDS = ("sigkill", "sigstop", "exception", "hang", "exit")
+EXIT_INJECTED = 13
+
+
+class InjectedFault(RuntimeError):
+    """Raised by kind=exception; never mistaken for a collective failure."""
+
+
+@dataclass
+class Fault:
+    rank: int
+    step: int
+    phase: str
+    kind: str
+    attempt: int = 0
+    fired: bool = False
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        kv: dict[str, str] = {}
+        for item in part.split(","):
+            if "=" not in item:
+                raise ValueError(f"JITCKPT_FAULT: {item!r} in {part!r} is not key=value")
+            k, v = item.split("=", 1)
+            kv[k.strip()] = v.strip()
+        unknown = set(kv) - {"rank", "step", "phase", "kind", "attempt"}
+        if unknown:
+            raise ValueError(f"JITCKPT_FAULT: unknown keys {sorted(unknown)} in {part!r}")
+        if "rank" not in kv or "phase" not in kv or "kind" not in kv:
+            raise ValueError(f"JITCKPT_FAULT: {part!r} needs rank=, phase= and kind=")
+        if kv["phase"] not in PHASES:
+            raise ValueError(f"JITCKPT_FAULT: phase {kv['phase']!r} not one of {PHASES}")
+        if kv["kind"] not in KINDS:
+            raise ValueError(f"JITCKPT_FAULT: kind {kv['kind']!r} not one of {KINDS}")
+        faults.append(Fault(rank=int(kv["rank"]), step=int(kv.get("step", 0)), phase=kv["phase"],
+                            kind=kv["kind"], attempt=int(kv.get("attempt", 0))))
+    return faults
+
+
+def hang_holding_gil() -> None:
+    """Block forever without releasing the GIL, deaf to every catchable signal:
+    ctypes.PyDLL keeps the GIL across the call, and sigsuspend with a full mask
+    returns for no signal (only SIGKILL/SIGSTOP still act)."""
+    libc = ctypes.PyDLL(None)
+    mask = ctypes.create_string_buffer(256)
+    libc.sigfillset(mask)
+    while True:
+        libc.sigsuspend(mask)
+
+
+def execute(kind: str, where: str) -> None:
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "exception":
+        raise InjectedFault(f"injected fault at {where}")
+    elif kind == "hang":
+        hang_holding_gil()
+    elif kind == "exit":
+        os._exit(EXIT_INJECTED)
+
+
+class Injector:
+    """Holds this rank's pending faults; ``maybe_fire`` is called from the phase
+    hooks and costs one list check when nothing is armed."""
+
+    def __init__(self, spec: str, rank: int, attempt: int,
+                 announce: Callable[[Fault], None] | None = None) -> None:
+        self.pending = [f for f in parse(spec) if f.rank == rank and f.attempt == attempt]
+        self._announce = announce
+
+    def armed(self, phase: str, step: int) -> Fault | None:
+        for f in self.pending:
+            if not f.fired and f.phase == phase and (phase == "save" or f.step == step):
+                return f
+        return None
+
+    def fire(self, f: Fault, step: int) -> None:
+        f.fired = True
+        if self._announce is not None:
+            self._announce(f)
+        execute(f.kind, f"rank {f.rank} step {step} phase {f.phase}")
+
+    def maybe_fire(self, phase: str, step: int) -> None:
+        if self.pending:
+            f = self.armed(phase, step)
+            if f is not None:
+                self.fire(f, step)

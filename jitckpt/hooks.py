@@ -1,0 +1,102 @@
+"""Attach a Runtime to torch without user changes.
+
+What is hooked, and why each is needed:
+* global optimizer pre/post step hooks: minibatch boundaries (phase OPT/POST,
+  step count);
+* DistributedDataParallel forward pre-hook (added by a wrapped ``__init__``):
+  the start of a minibatch, before its first collective; deferred saves run here;
+* ``torch.autograd.backward``: phase BWD, and the place where a failed
+  gradient all-reduce (peer died, or the process-group timeout fired) surfaces;
+* ``torch.distributed`` collective functions: explicit collectives, same two
+  roles;
+* the default process-group timeout: set to the JIT timeout so that a hung
+  gloo/nccl collective raises after ``--jit-timeout`` seconds instead of 30 min;
+* ``sys.excepthook``: a collective error that escaped elsewhere (e.g. DDP's
+  buffer broadcast in forward) still leads to a save.
+Each hook costs one attribute check and a function call on the hot path.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from datetime import timedelta
+
+from .runtime import Runtime, is_collective_error
+
+_COLLECTIVES = (
+    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "barrier", "send", "recv", "broadcast_object_list",
+    "all_gather_object", "gather_object", "scatter_object_list",
+)
+
+
+def _guard(rt: Runtime, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        rt.on_collective()
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if is_collective_error(e):
+                rt.on_collective_error(e)
+            raise
+
+    wrapper.__jitckpt_wrapped__ = fn
+    return wrapper
+
+
+def install(rt: Runtime) -> None:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    register_optimizer_step_pre_hook(lambda opt, a, k: rt.on_optimizer_pre())
+    register_optimizer_step_post_hook(lambda opt, a, k: rt.on_optimizer_post())
+
+    if not hasattr(DDP.__init__, "__jitckpt_wrapped__"):
+        orig_init = DDP.__init__
+
+        @functools.wraps(orig_init)
+        def ddp_init(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
+
+        ddp_init.__jitckpt_wrapped__ = orig_init
+        DDP.__init__ = ddp_init
+
+    orig_backward = torch.autograd.backward
+
+    @functools.wraps(orig_backward)
+    def backward(tensors, *args, **kwargs):
+        rt.on_backward(tensors)
+        try:
+            return orig_backward(tensors, *args, **kwargs)
+        except RuntimeError as e:
+            if is_collective_error(e):
+                rt.on_collective_error(e)
+            raise
+
+    torch.autograd.backward = backward
+
+    for name in _COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
+            setattr(dist, name, _guard(rt, fn))
+
+    timeout = timedelta(seconds=rt.cfg.timeout_s)
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+
+    prev_hook = sys.excepthook
+
+    def excepthook(tp, exc, tb):
+        if is_collective_error(exc):
+            rt.on_collective_error(exc)
+        prev_hook(tp, exc, tb)
+
+    sys.excepthook = excepthook

@@ -1,0 +1,293 @@
+"""On-disk checkpoint layout, atomic publication and validation.
+
+Layout under the job's jit dir (everything 0700 / 0600)::
+
+    <root>/job.json                              which job owns this dir
+    <root>/ckpt/step-<S>/shard-<X>/rank-<R>/     one replica's checkpoint
+        <files written by the user's save_fn>
+        MANIFEST.json                            written last; lists every file + sha256
+
+A replica directory is first filled under a ``.tmp-rank-<R>-<pid>`` name and only
+renamed into place after its manifest is fsynced, so a reader that finds
+``rank-<R>`` with a manifest whose checksums match holds a complete checkpoint.
+Anything else (no manifest, wrong job, missing/extra/corrupt file) is skipped
+and never handed to a restore.
+
+This module imports no torch: the launcher uses it to decide restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+JOB_FILE = "job.json"
+FORMAT_VERSION = 1
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_SHARD_RE = re.compile(r"^shard-([A-Za-z0-9_.-]+)$")
+_RANK_RE = re.compile(r"^rank-(\d+)$")
+
+
+class CheckpointDirError(RuntimeError):
+    """The jit dir cannot be used (unwritable, or owned by another job)."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A complete, verified replica checkpoint."""
+
+    path: Path
+    step: int
+    shard: str
+    rank: int
+    job_id: str
+    saved_at: float
+
+
+def shard_dirname(shard: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", shard):
+        raise ValueError(
+            f"shard name {shard!r} may only contain letters, digits, '_', '.' and '-'"
+        )
+    return f"shard-{shard}"
+
+
+def replica_dir(root: Path, step: int, shard: str, rank: int) -> Path:
+    return root / "ckpt" / f"step-{step}" / shard_dirname(shard) / f"rank-{rank}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_private(path: Path) -> None:
+    """mkdir -p with 0700 on every directory we create."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            pass
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via temp file + fsync + rename + dir fsync."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _list_files(d: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(d):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), d)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+# --- job ownership -----------------------------------------------------------
+
+
+def claim_root(root: Path, job_id: str) -> None:
+    """Create/validate the jit dir for ``job_id``.
+
+    Raises CheckpointDirError with what to do when the directory is not
+    writable or belongs to another job: silently mixing two jobs' checkpoints
+    would restore the wrong model.
+    """
+    try:
+        makedirs_private(root)
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointDirError(
+            f"jit dir {str(root)!r} is not writable ({e.strerror}); "
+            "pass --jit-dir pointing at a directory this user can write"
+        ) from None
+    job_file = root / JOB_FILE
+    if job_file.exists():
+        try:
+            owner = json.loads(job_file.read_text())["job_id"]
+        except (OSError, ValueError, KeyError):
+            raise CheckpointDirError(
+                f"{job_file} is unreadable or malformed; remove it or pass another --jit-dir"
+            ) from None
+        if owner != job_id:
+            raise CheckpointDirError(
+                f"jit dir {str(root)!r} holds checkpoints of job {owner!r}, not of this job "
+                f"{job_id!r}; pass a fresh --jit-dir, or --rdzv-id {owner} to resume that job"
+            )
+        return
+    atomic_write_bytes(
+        job_file,
+        json.dumps({"job_id": job_id, "created": time.time(), "format": FORMAT_VERSION}).encode(),
+    )
+
+
+def read_job_id(root: Path) -> str | None:
+    try:
+        return json.loads((root / JOB_FILE).read_text())["job_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# --- writing -----------------------------------------------------------------
+
+
+def staging_dir(root: Path, step: int, shard: str, rank: int) -> Path:
+    final = replica_dir(root, step, shard, rank)
+    makedirs_private(final.parent)
+    tmp = final.parent / f".tmp-rank-{rank}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    os.mkdir(tmp, DIR_MODE)
+    return tmp
+
+
+def publish(tmp: Path, *, root: Path, step: int, shard: str, rank: int, world_size: int,
+            job_id: str, extra: dict | None = None) -> Path:
+    """Checksum the staged files, write the manifest last, rename into place."""
+    files = {}
+    for rel in _list_files(tmp):
+        p = tmp / rel
+        os.chmod(p, FILE_MODE)
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        files[rel] = {"sha256": sha256_file(p), "size": p.stat().st_size}
+    for dirpath, dirs, _ in os.walk(tmp):
+        for d in dirs:
+            os.chmod(os.path.join(dirpath, d), DIR_MODE)
+    if not files:
+        raise RuntimeError(f"save_fn wrote no files into {tmp}; nothing to checkpoint")
+    manifest = {
+        "format": FORMAT_VERSION,
+        "job_id": job_id,
+        "step": step,
+        "rank": rank,
+        "shard": shard,
+        "world_size": world_size,
+        "saved_at": time.time(),
+        "files": files,
+        "complete": True,
+        **(extra or {}),
+    }
+    atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    final = replica_dir(root, step, shard, rank)
+    if final.exists():
+        # A replica of this rank at this step already exists (an earlier failure
+        # at the same step); keep the newest, atomically.
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+# --- reading -----------------------------------------------------------------
+
+
+def verify(path: Path, job_id: str | None = None) -> Replica | str:
+    """Return the Replica if ``path`` is complete and intact, else why not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (save did not finish)"
+    except (OSError, ValueError) as e:
+        return f"unreadable manifest: {e}"
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("complete") is not True:
+        return "manifest not marked complete"
+    if job_id is not None and manifest.get("job_id") != job_id:
+        return f"belongs to job {manifest.get('job_id')!r}"
+    files = manifest.get("files") or {}
+    present = set(_list_files(path))
+    if present != set(files):
+        return f"file set differs from manifest (extra {sorted(present - set(files))}, missing {sorted(set(files) - present)})"
+    for rel, meta in files.items():
+        p = path / rel
+        if p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:
+            return f"checksum mismatch in {rel}"
+    return Replica(path=path, step=int(manifest["step"]), shard=str(manifest["shard"]),
+                   rank=int(manifest["rank"]), job_id=str(manifest["job_id"]),
+                   saved_at=float(manifest["saved_at"]))
+
+
+def scan(root: Path, job_id: str | None = None) -> tuple[list[Replica], list[tuple[Path, str]]]:
+    """All verified replicas under root, plus (path, reason) for rejected ones."""
+    good: list[Replica] = []
+    bad: list[tuple[Path, str]] = []
+    base = root / "ckpt"
+    if not base.is_dir():
+        return good, bad
+    for step_d in base.iterdir():
+        if not _STEP_RE.match(step_d.name) or not step_d.is_dir():
+            continue
+        for shard_d in step_d.iterdir():
+            if not _SHARD_RE.match(shard_d.name) or not shard_d.is_dir():
+                continue
+            for rank_d in shard_d.iterdir():
+                if rank_d.name.startswith(".tmp-"):
+                    bad.append((rank_d, "incomplete save (staging dir)"))
+                    continue
+                if not _RANK_RE.match(rank_d.name):
+                    continue
+                r = verify(rank_d, job_id)
+                (good.append(r) if isinstance(r, Replica) else bad.append((rank_d, r)))
+    return good, bad
+
+
+def select_step(replicas: list[Replica], shards: set[str], *, max_step: int | None = None) -> int | None:
+    """Newest step at which every shard in ``shards`` has a complete replica."""
+    by_step: dict[int, set[str]] = {}
+    for r in replicas:
+        by_step.setdefault(r.step, set()).add(r.shard)
+    ok = [s for s, have in by_step.items() if shards <= have and (max_step is None or s <= max_step)]
+    return max(ok) if ok else None
+
+
+def pick_replica(replicas: list[Replica], step: int, shard: str, prefer_rank: int | None = None) -> Replica | None:
+    cands = [r for r in replicas if r.step == step and r.shard == shard]
+    if not cands:
+        return None
+    cands.sort(key=lambda r: (r.rank != prefer_rank, -r.saved_at, r.rank))
+    return cands[0]

@@ -1,0 +1,66 @@
+"""Worker -> launcher reports through torch.distributed's TCPStore.
+
+Both sides connect as clients to the store torchrun's agent already hosts
+(MASTER_ADDR/MASTER_PORT of the workers), so there is no server of ours. Every
+key lives under ``jitckpt/<token>/``: the token is random per job and given
+only to the job's processes, so a stranger on the network cannot inject reports
+into a namespace the launcher reads.
+
+Protocol: a writer takes a sequence number with ``add(<ns>/n, 1)`` and then sets
+``<ns>/r/<seq>`` to a JSON object. The reader remembers how far it has read and
+polls ``add(<ns>/n, 0)``; a slot whose value is not set yet is retried on the
+next poll (the writer is between its two calls).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+
+def namespace(token: str) -> str:
+    return f"jitckpt/{token}"
+
+
+def connect(host: str, port: int, timeout_s: float = 30.0):  # -> dist.TCPStore
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+class Reporter:
+    """Worker side. Thread-safe enough: TCPStore client calls are serialized by
+    the store client itself; we only ever add() then set()."""
+
+    def __init__(self, store, token: str, rank: int) -> None:
+        self._store = store
+        self._ns = namespace(token)
+        self._rank = rank
+
+    def send(self, event: str, **fields: Any) -> None:
+        msg = {"event": event, "t": time.time(), "rank": self._rank, **fields}
+        seq = self._store.add(f"{self._ns}/n", 1)
+        self._store.set(f"{self._ns}/r/{seq}", json.dumps(msg))
+
+
+class ReportReader:
+    """Launcher side."""
+
+    def __init__(self, store, token: str) -> None:
+        self._store = store
+        self._ns = namespace(token)
+        self._next = 1
+
+    def poll(self) -> list[dict]:
+        out: list[dict] = []
+        last = self._store.add(f"{self._ns}/n", 0)
+        while self._next <= last:
+            key = f"{self._ns}/r/{self._next}"
+            if not self._store.check([key]):
+                break
+            out.append(json.loads(self._store.get(key)))
+            self._next += 1
+        return out

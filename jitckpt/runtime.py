@@ -1,0 +1,315 @@
+"""The per-worker JIT runtime: minibatch phases, failure triggers, the JIT save.
+
+Phases (paper §3.3): a replica's state is "the start of minibatch i" while it
+is in INIT/FWD/BWD of minibatch i (parameters and optimizer state are only
+written by the optimizer step). During OPT and POST (after the step, before the
+next minibatch's first collective: the user's scheduler.step(), step counter,
+data fetch and RNG snapshot still have to run) a save is deferred to the next
+consistent point, the next minibatch's forward/backward/collective entry.
+
+Threads and locks
+-----------------
+* main thread: runs the user's loop and every phase hook below.
+* watcher thread (``jitckpt-watcher``, daemon): blocks reading the signal
+  wakeup pipe. Python's C-level signal handler writes the signal number there
+  even while the main thread is stuck in a collective with the GIL released,
+  so a SIGTERM is acted on at once instead of when the collective returns.
+* the libintercept watchdog thread (when the shim is preloaded) calls
+  ``_on_hang`` holding the GIL it obtained through the shim's signal-based GIL
+  release.
+
+``_lock`` (threading.Lock) guards ``phase``, ``deferred`` and ``saving``; it
+is held only for those few reads/writes, never across save_fn or I/O. Whoever
+sets ``saving`` owns the save and ends the process with ``os._exit``; any other
+thread that then needs the lock-protected state (the main thread entering the
+optimizer step, a second trigger) parks forever on ``_halt`` so parameters are
+never written while they are being saved. No Python code runs in a signal
+handler except ``_on_signal`` (Python-level, main thread, between bytecodes),
+which only calls ``request_save``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from enum import Enum
+from typing import Callable
+
+from . import config as _config
+from . import faults as _faults
+from . import layout
+
+SaveFn = Callable[[str], None]
+
+
+class Phase(Enum):
+    INIT = "init"  # process started, training loop not entered yet
+    FWD = "forward"
+    BWD = "backward"
+    OPT = "optimizer"
+    POST = "post-step"  # step done, user bookkeeping before next minibatch
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Errors that mean "a peer is gone or the collective timed out", as raised
+    by torch's gloo/nccl backends, as opposed to this rank's own failure."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, (dist.DistError,)):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    if not isinstance(exc, RuntimeError) or isinstance(exc, _faults.InjectedFault):
+        return False
+    msg = str(exc)
+    return any(m in msg for m in ("third_party/gloo", "gloo/transport", "NCCL", "ProcessGroup",
+                                  "Connection closed by peer", "Timed out waiting"))
+
+
+class Runtime:
+    def __init__(self, cfg: _config.WorkerConfig) -> None:
+        self.cfg = cfg
+        self.save_fn: SaveFn | None = None
+        self.shard = "0"
+        self.steps_done = 0  # set to the restored step by get_checkpoint_path()
+        self.restored = False
+        self.phase = Phase.INIT
+        self.phase_t = time.monotonic()
+        self.deferred: str | None = None
+        self.saving = False
+        self._lock = threading.Lock()
+        self._halt = threading.Event()  # never set: parks threads until os._exit
+        self._step_t: float | None = None
+        self._step_times: list[float] = []
+        self._resumed_reported = False
+        self._counted = True
+        self.reporter = None
+        self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.restart_count,
+                                         announce=self._announce_fault)
+
+    # -- reporting --------------------------------------------------------
+
+    def connect(self) -> None:
+        if not self.cfg.managed or self.cfg.store_addr is None:
+            return
+        from .report import Reporter, connect
+
+        self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
+        self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count)
+
+    def report(self, event: str, **fields) -> None:
+        if self.reporter is None:
+            return
+        try:
+            self.reporter.send(event, **fields)
+        except Exception as e:  # the launcher may be gone; never mask the real failure
+            print(f"[jitckpt] rank {self.cfg.rank}: report {event} failed: {e}", file=sys.stderr)
+
+    def _announce_fault(self, f: _faults.Fault) -> None:
+        self.report("fault_injected", step=self.steps_done, phase=f.phase, kind=f.kind)
+
+    def minibatch_s(self) -> float | None:
+        return statistics.median(self._step_times) if self._step_times else None
+
+    # -- phase hooks (main thread) -----------------------------------------
+
+    def on_forward(self) -> None:
+        if self.deferred is not None:
+            self._save_deferred()
+        if self.phase is not Phase.FWD:
+            with self._lock:
+                self.phase, self.phase_t = Phase.FWD, time.monotonic()
+        self.injector.maybe_fire("forward", self.steps_done)
+
+    def on_backward(self, tensors) -> None:
+        if self.deferred is not None:
+            self._save_deferred()
+        with self._lock:
+            self.phase, self.phase_t = Phase.BWD, time.monotonic()
+        if self.injector.pending:
+            self.injector.maybe_fire("backward", self.steps_done)
+            f = self.injector.armed("allreduce", self.steps_done)
+            if f is not None:
+                self._arm_allreduce_fault(f, tensors)
+
+    def _arm_allreduce_fault(self, f: _faults.Fault, tensors) -> None:
+        # Fire at the end of this backward pass, while DDP's bucket all-reduces
+        # are in flight on the peers: a callback queued from the loss's grad
+        # hook runs after the autograd graph, before DDP's finalize waits.
+        import torch
+        from torch.autograd import Variable
+
+        t = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
+        step = self.steps_done
+
+        def hook(grad):
+            Variable._execution_engine.queue_callback(lambda: self.injector.fire(f, step))
+            return grad
+
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
+        else:
+            self.injector.fire(f, step)
+
+    def on_collective(self) -> None:
+        # The first collective after an optimizer step is, by contract, the
+        # start of the next minibatch (the user's bookkeeping is done).
+        if self.deferred is not None:
+            self._save_deferred()
+        if self.phase is Phase.POST:
+            with self._lock:
+                self.phase, self.phase_t = Phase.FWD, time.monotonic()
+
+    def on_optimizer_pre(self) -> None:
+        with self._lock:
+            if self.saving:
+                parked = True
+            else:
+                parked = False
+                if self.phase is not Phase.OPT and self.phase is not Phase.POST:
+                    self._counted = False
+                self.phase, self.phase_t = Phase.OPT, time.monotonic()
+        if parked:
+            self._halt.wait()
+        self.injector.maybe_fire("optimizer", self.steps_done)
+
+    def on_optimizer_post(self) -> None:
+        with self._lock:
+            if not self._counted:
+                self._counted = True
+                self.steps_done += 1
+            self.phase, self.phase_t = Phase.POST, time.monotonic()
+        now = time.monotonic()
+        if self._step_t is not None:
+            self._step_times.append(now - self._step_t)
+            del self._step_times[:-50]
+        self._step_t = now
+        if self.restored and not self._resumed_reported:
+            self._resumed_reported = True
+            self.report("resumed", step=self.steps_done - 1)
+        if self.cfg.restart_count == 0 and not self._resumed_reported:
+            self._resumed_reported = True  # nothing to resume from; stop checking
+
+    # -- triggers ------------------------------------------------------------
+
+    def request_save(self, reason: str, announced: bool = False) -> bool:
+        """Ask for a JIT save now or at the next consistent point.
+
+        Returns False if the save was deferred (caller goes on). When the save
+        happens in this call, the process exits and this never returns. A
+        second trigger while a save is running parks the calling thread.
+        """
+        with self._lock:
+            if self.saving:
+                park = True
+            elif self.phase in (Phase.OPT, Phase.POST):
+                if self.deferred is None:
+                    self.deferred = reason
+                    if not announced:
+                        self.report("failure_detected", reason=reason, phase=self.phase.value,
+                                    step=self.steps_done, action="deferred to next minibatch start",
+                                    minibatch_s=self.minibatch_s())
+                return False
+            else:
+                park = False
+                self.saving = True
+                phase = self.phase
+        if park:
+            self._halt.wait()
+        self._save_and_exit(reason, phase, announced=announced)
+        return True  # unreachable
+
+    def _save_deferred(self) -> None:
+        with self._lock:
+            if self.saving:
+                park = True
+            else:
+                park = False
+                self.saving = True
+                reason = self.deferred or "deferred"
+        if park:
+            self._halt.wait()
+        self._save_and_exit(reason, Phase.FWD, announced=True)
+
+    def on_collective_error(self, exc: BaseException) -> None:
+        waited = time.monotonic() - self.phase_t
+        self.report("failure_detected", reason="collective_error", phase=self.phase.value,
+                    step=self.steps_done, waited_s=round(waited, 3), error=str(exc)[:300],
+                    minibatch_s=self.minibatch_s())
+        self.request_save("collective_error", announced=True)
+
+    def _save_and_exit(self, reason: str, phase: Phase, announced: bool = False) -> None:
+        code = _config.EXIT_NOT_SAVED
+        try:
+            if not announced:
+                self.report("failure_detected", reason=reason, phase=phase.value,
+                            step=self.steps_done, waited_s=round(time.monotonic() - self.phase_t, 3),
+                            minibatch_s=self.minibatch_s())
+            if phase is Phase.INIT:
+                self.report("checkpoint_skipped", why="failure before the training loop started")
+            elif self.save_fn is None:
+                self.report("checkpoint_skipped", why="no save_fn registered (jitckpt.register)")
+            else:
+                self._jit_save()
+                code = _config.EXIT_SAVED
+        except BaseException as e:  # report, then exit; the launcher uses another replica
+            self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _jit_save(self) -> None:
+        cfg = self.cfg
+        assert cfg.root is not None and self.save_fn is not None
+        t0 = time.monotonic()
+        step = self.steps_done
+        self.report("save_started", step=step, shard=self.shard)
+        old_umask = os.umask(0o077)
+        try:
+            tmp = layout.staging_dir(cfg.root, step, self.shard, cfg.rank)
+            self.save_fn(str(tmp))
+            self.injector.maybe_fire("save", step)
+            path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
+                                  world_size=cfg.world_size, job_id=cfg.job_id,
+                                  extra={"progress_step": step})
+        finally:
+            os.umask(old_umask)
+        self.report("checkpoint_saved", step=step, shard=self.shard, path=str(path),
+                    seconds=round(time.monotonic() - t0, 4), minibatch_s=self.minibatch_s())
+
+    # -- signals -------------------------------------------------------------
+
+    def install_signal_watch(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(r,), name="jitckpt-watcher", daemon=True).start()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.request_save("sigterm")
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            data = os.read(fd, 64)
+            if not data:
+                return
+            if signal.SIGTERM in data:
+                self.request_save("sigterm")
+
+    def _on_hang(self, info: dict) -> None:
+        """libintercept watchdog: a collective hung past the timeout."""
+        self.report("failure_detected", reason=info.get("event", "hang"), phase=self.phase.value,
+                    step=self.steps_done, waited_s=info.get("waited_s"),
+                    collective=info.get("collective"), minibatch_s=self.minibatch_s())
+        self.request_save(str(info.get("event", "hang")), announced=True)

@@ -1,0 +1,1 @@
+"""jitrun: torchrun with just-in-time checkpoint recovery."""

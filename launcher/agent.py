@@ -1,0 +1,306 @@
+"""JitAgent: torchrun's LocalElasticAgent with JIT-aware failure handling.
+
+torchrun stops the world on the first worker failure (SIGTERM, 30 s grace,
+SIGKILL) and restarts. That would kill the healthy replicas while they save.
+JitAgent instead, on the first failure signal (a worker exit or a worker's
+failure report through the store):
+
+1. asks every live worker to save now (SIGTERM; the worker runtime turns it
+   into a JIT save at the next consistent point),
+2. waits until every shard has a complete checkpoint from this failure, all
+   savers are done, or ``timeout + save_timeout`` passed,
+3. SIGKILLs whatever is still running (stopped or hung ranks) at once,
+4. picks the restore step (newest step complete for every shard, else the
+   newest older one), asks the scheduler hook where to run, and hands back to
+   torchrun's restart loop (which honours --max-restarts).
+
+Runs only in the agent's main thread; no locks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from jitckpt import layout
+from jitckpt.config import EXIT_SAVED
+from jitckpt.report import ReportReader, connect
+
+from . import scheduler
+from .events import EventLog
+
+
+@dataclass
+class JitOptions:
+    root: Path
+    job_id: str
+    token: str
+    timeout_s: float
+    save_timeout_s: float
+    scheduler: str
+
+
+class _Failure:
+    """Book-keeping for one failure episode."""
+
+    def __init__(self, t: float) -> None:
+        self.detected_t = t
+        self.fault_t: float | None = None
+        self.saved: dict[int, dict] = {}
+        self.saving: set[int] = set()
+        self.done: set[int] = set()  # ranks that will not save (failed, skipped, exited)
+        self.reasons: dict[int, str] = {}
+        self.progress = -1
+        self.minibatch_s: list[float] = []
+        self.killed: list[int] = []
+        self.restore_step: int | None = None
+        self.restart_t: float | None = None
+        self.ckpt_done_t: float | None = None
+
+
+class JitAgent(LocalElasticAgent):
+    def __init__(self, *args, jit: JitOptions, events: EventLog, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._jit = jit
+        self._events = events
+        self._reader: ReportReader | None = None
+        self._store_addr: tuple[str, int] | None = None
+        self._shards: dict[int, str] = {}  # global rank -> shard, from "registered"
+        self._pids: dict[int, int] = {}
+        self._failure: _Failure | None = None
+        self._pending: _Failure | None = None  # restarted, waiting for "resumed"
+        self._exited: dict[int, int] = {}
+        self._fault_t: float | None = None
+
+    # -- store ----------------------------------------------------------------
+
+    def _poll(self, wg: WorkerGroup, absorb: bool = True) -> list[dict]:
+        addr = (wg.master_addr, wg.master_port)
+        if self._reader is None or addr != self._store_addr:
+            self._reader = ReportReader(connect(*addr), self._jit.token)
+            self._store_addr = addr
+        msgs = self._reader.poll()
+        if absorb:
+            for m in msgs:
+                self._absorb(m)
+        return msgs
+
+    def _absorb(self, m: dict) -> None:
+        ev, rank = m["event"], m.get("rank")
+        if ev == "registered":
+            self._shards[rank] = m["shard"]
+            return
+        if ev == "resumed":
+            self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
+            self._on_resumed(m)
+            return
+        self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
+        f = self._failure
+        if f is None:
+            return
+        if ev == "fault_injected" and f.fault_t is None:
+            f.fault_t = m["t"]
+        if m.get("minibatch_s"):
+            f.minibatch_s.append(m["minibatch_s"])
+        if "step" in m:
+            f.progress = max(f.progress, int(m["step"]))
+        if ev == "failure_detected":
+            f.detected_t = min(f.detected_t, m["t"])
+            f.reasons.setdefault(rank, m.get("reason", "?"))
+        elif ev == "save_started":
+            f.saving.add(rank)
+        elif ev == "checkpoint_saved":
+            f.saving.discard(rank)
+            f.saved[rank] = m
+            shards = set(self._shards.values()) or {"0"}
+            if f.ckpt_done_t is None and shards <= {s["shard"] for s in f.saved.values()}:
+                f.ckpt_done_t = m["t"]
+        elif ev in ("checkpoint_failed", "checkpoint_skipped"):
+            f.saving.discard(rank)
+            f.done.add(rank)
+
+    # -- monitoring -------------------------------------------------------------
+
+    def _exit_codes(self, wg: WorkerGroup) -> dict[int, int | None]:
+        assert self._pcontext is not None
+        codes = {}
+        for lr, h in self._pcontext.subprocess_handlers.items():  # type: ignore[attr-defined]
+            codes[wg.workers[lr].global_rank] = h.proc.poll()
+        return codes
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        msgs = self._poll(worker_group, absorb=False)
+        codes = self._exit_codes(worker_group)
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        # An injected fault's announcement only timestamps the failure; detection
+        # is the healthy ranks' (or an exit), as it would be for a real fault.
+        for m in msgs:
+            if m["event"] == "fault_injected":
+                self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
+        reported = any(m["event"] == "failure_detected" for m in msgs)
+        if failed or reported:
+            self._failure = _Failure(time.time())
+            self._failure.fault_t, self._fault_t = self._fault_t, None
+        for m in msgs:
+            self._absorb(m)
+        if not failed and not reported:
+            if all(c == 0 for c in codes.values()):
+                return super()._monitor_workers(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
+        return self._handle_failure(worker_group)
+
+    def _handle_failure(self, wg: WorkerGroup) -> RunResult:
+        f = self._failure
+        assert f is not None
+        deadline = time.monotonic() + self._jit.timeout_s + self._jit.save_timeout_s
+        handlers = {wg.workers[lr].global_rank: h for lr, h in self._pcontext.subprocess_handlers.items()}  # type: ignore[union-attr]
+        termed: set[int] = set()
+        grace_until: float | None = None
+        while True:
+            codes = {r: h.proc.poll() for r, h in handlers.items()}
+            for r, c in codes.items():
+                if c is not None and r not in self._exited:
+                    self._exited[r] = c
+                    f.done.add(r)
+                    self._events.emit("worker_exit", rank=r, exitcode=c,
+                                      signal=signal.Signals(-c).name if c < 0 else None)
+                    if c != EXIT_SAVED:
+                        f.reasons.setdefault(r, f"exit {c}")
+            alive = [r for r, c in codes.items() if c is None]
+            # Ask live workers to save now instead of waiting for their collectives
+            # to time out; a stopped rank keeps it pending and is killed below.
+            for r in alive:
+                if r not in termed:
+                    termed.add(r)
+                    try:
+                        os.kill(handlers[r].proc.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            if not alive:
+                break
+            shards_needed = set(self._shards.values()) or {"0"}
+            complete = shards_needed <= {m["shard"] for m in f.saved.values()}
+            if complete:
+                if not (f.saving & set(alive)):
+                    break
+                # another replica is mid-save: give it a moment, it's not needed
+                if grace_until is None:
+                    grace_until = time.monotonic() + 1.0
+                elif time.monotonic() > grace_until:
+                    break
+            elif not any(r in self._shards and r not in f.done for r in alive) and f.saved == {} and not f.saving:
+                # nobody alive can still save (no save_fn registered anywhere alive)
+                if time.monotonic() > deadline - self._jit.save_timeout_s:
+                    break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+            self._poll(wg)
+        # savers that published are exiting on their own; the rest (stopped,
+        # hung, still saving an unneeded replica) are killed now
+        exit_by = time.monotonic() + 0.5
+        while any(handlers[r].proc.poll() is None for r in f.saved if r in handlers) and time.monotonic() < exit_by:
+            time.sleep(0.01)
+        for r, h in handlers.items():
+            if h.proc.poll() is None:
+                f.killed.append(r)
+                try:
+                    os.kill(h.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if f.killed:
+            self._events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
+        for h in handlers.values():
+            h.proc.wait()
+        self._poll(wg)
+        if f.ckpt_done_t is None and f.saved:
+            f.ckpt_done_t = time.time()
+        self._choose_restore(f)
+        failures = {}
+        for lr, h in self._pcontext.subprocess_handlers.items():  # type: ignore[union-attr]
+            code = h.proc.returncode
+            if code != 0:
+                failures[wg.workers[lr].global_rank] = ProcessFailure(
+                    local_rank=lr, pid=h.proc.pid, exitcode=code,
+                    error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
+        return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _choose_restore(self, f: _Failure) -> None:
+        replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
+        shards = set(self._shards.values()) | {r.shard for r in replicas} or {"0"}
+        step = layout.select_step(replicas, shards)
+        jit_steps = {int(m["step"]) for m in f.saved.values()}
+        if step is None or step not in jit_steps:
+            self._events.emit("no_jit_checkpoint", fallback_step=step,
+                              why="no shard-complete checkpoint from this failure")
+            print(f"jitrun: no complete JIT checkpoint for every shard after this failure; "
+                  f"{'falling back to step ' + str(step) if step is not None else 'restarting from scratch'}",
+                  flush=True)
+        f.restore_step = step
+        os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
+
+    # -- restart ----------------------------------------------------------------
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        f = self._failure
+        spec = worker_group.spec
+        restart_count = spec.max_restarts - self._remaining_restarts
+        failure = {
+            "job_id": self._jit.job_id,
+            "restart_count": restart_count,
+            "failed_ranks": sorted(r for r, c in self._exited.items() if c not in (0, EXIT_SAVED))
+            + sorted(f.killed if f else []),
+            "reasons": {str(k): v for k, v in (f.reasons if f else {}).items()},
+            "restore_step": f.restore_step if f else None,
+            "hosts": [os.uname().nodename],
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        placement = scheduler.place(self._jit.scheduler, failure)
+        if placement.action == "abort":
+            self._events.emit("job_abort", why="scheduler hook answered abort")
+            self._remaining_restarts = 0
+            self._stop_workers(worker_group)
+            raise RuntimeError("jitrun: scheduler hook asked to abort the job")
+        os.environ.update(placement.env)
+        if placement.visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
+        self._exited.clear()
+        if f is not None:
+            f.restart_t = time.time()
+            self._pending = f
+        self._events.emit("restart", restart_count=restart_count,
+                          restore_step=f.restore_step if f else None,
+                          placement={"action": placement.action, "env": sorted(placement.env),
+                                     "visible_devices": placement.visible_devices})
+        self._failure = None
+        super()._restart_workers(worker_group)
+
+    def _on_resumed(self, m: dict) -> None:
+        f = self._pending
+        if f is None or f.restart_t is None:
+            return
+        self._pending = None
+        failure_t = f.fault_t if f.fault_t is not None else f.detected_t
+        restore = f.restore_step if f.restore_step is not None else 0
+        rec = {
+            "failure_t": failure_t,
+            "detection_s": round(f.detected_t - failure_t, 3),
+            "checkpoint_s": round((f.ckpt_done_t or f.restart_t) - f.detected_t, 3),
+            "restart_to_resumed_s": round(m["t"] - f.restart_t, 3),
+            "failure_to_resumed_s": round(m["t"] - failure_t, 3),
+            "restore_step": restore,
+            "progress_step": f.progress,
+            # the minibatch in progress at the failure (index f.progress) and
+            # every one after the restore step up to it are done again
+            "redone_minibatches": max(f.progress + 1 - restore, 0),
+            "minibatch_s": statistics.median(f.minibatch_s) if f.minibatch_s else None,
+        }
+        self._events.emit("recovery", **rec)

@@ -1,0 +1,142 @@
+"""``jitrun``: every torchrun option, plus --jit-* options; ``jitrun plan`` for the cost model.
+
+Workers start through ``python -m jitckpt._bootstrap`` so failure detection
+is in place without code changes (not with --no-python, which runs the
+program as is). Environment given to workers: JITCKPT_DIR, JITCKPT_JOB_ID,
+JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a failure, JITCKPT_RESTORE_STEP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import sys
+import uuid
+from pathlib import Path
+
+from jitckpt import layout
+from jitckpt.config import DEFAULT_TIMEOUT_S
+
+INTERCEPT_LIB_ENV = "JITCKPT_INTERCEPT_LIB"
+
+
+def _parser():
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "jitrun"
+    g = p.add_argument_group("jitckpt")
+    g.add_argument("--jit-dir", default=None,
+                   help="checkpoint root for JIT checkpoints and events.jsonl "
+                        "(default: ./jitckpt_runs/<job id>)")
+    g.add_argument("--jit-timeout", type=float, default=None,
+                   help=f"seconds a collective may hang before the healthy ranks save "
+                        f"(default {DEFAULT_TIMEOUT_S:.0f}; also the process group timeout)")
+    g.add_argument("--jit-save-timeout", type=float, default=120.0,
+                   help="seconds allowed for the JIT save after detection before giving up on it")
+    g.add_argument("--jit-scheduler", default="local",
+                   help="scheduler hook: 'local' or 'exec:/path/to/program' (JSON in, JSON out)")
+    g.add_argument("--jit-intercept", choices=("auto", "on", "off"), default="auto",
+                   help="LD_PRELOAD libjitintercept into workers: auto = when CUDA devices are visible")
+    return p
+
+
+def job_id_for(args) -> str:
+    """Stable identity of a job: the rendezvous id when given, else the command.
+    Re-running the same command resumes from its jit dir; a different job
+    pointed at the same dir is refused."""
+    if os.environ.get("JITCKPT_JOB_ID"):
+        return os.environ["JITCKPT_JOB_ID"]
+    if args.rdzv_id and args.rdzv_id != "none":
+        return args.rdzv_id
+    ident = "\0".join([os.path.abspath(args.training_script), *args.training_script_args])
+    return "cmd-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _intercept_lib() -> str | None:
+    cand = os.environ.get(INTERCEPT_LIB_ENV) or str(
+        Path(__file__).resolve().parent.parent / "build" / "libjitintercept.so")
+    return cand if os.path.isfile(cand) else None
+
+
+def _want_intercept(mode: str) -> bool:
+    if mode == "off":
+        return False
+    if mode == "on":
+        return True
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return vis.strip() not in ("", "-1")
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from . import plan
+
+        return plan.main(argv[1:])
+    args = _parser().parse_args(argv)
+    return run(args)
+
+
+def run(args) -> int:
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    job_id = job_id_for(args)
+    root = Path(args.jit_dir or Path.cwd() / "jitckpt_runs" / job_id).resolve()
+    try:
+        layout.claim_root(root, job_id)
+    except layout.CheckpointDirError as e:
+        print(f"jitrun: error: {e}", file=sys.stderr)
+        return 2
+    if args.jit_timeout is not None and args.jit_timeout <= 0:
+        print(f"jitrun: error: --jit-timeout must be > 0 seconds, got {args.jit_timeout}", file=sys.stderr)
+        return 2
+    from . import scheduler
+
+    try:
+        sched = scheduler.parse_hook(args.jit_scheduler)
+    except scheduler.SchedulerError as e:
+        print(f"jitrun: error: {e}", file=sys.stderr)
+        return 2
+    timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    token = os.environ.get("JITCKPT_TOKEN") or secrets.token_hex(16)
+    os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
+                       "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
+    os.environ.pop("JITCKPT_RESTORE_STEP", None)
+    if _want_intercept(args.jit_intercept):
+        lib = _intercept_lib()
+        if lib is None:
+            print("jitrun: warning: libjitintercept.so not found (run `make build` or set "
+                  f"{INTERCEPT_LIB_ENV}); NCCL hangs are then detected by the process group "
+                  "timeout only", file=sys.stderr)
+        else:
+            os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
+
+    # torchrun's own defaulting (torch.distributed.run.run)
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+    config, cmd, cmd_args = config_from_args(args)
+    if isinstance(cmd, str) and not args.no_python and not args.run_path:
+        # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
+        cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
+        pypath = str(Path(__file__).resolve().parent.parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
+
+    from .launch import launch
+
+    return launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, timeout_s=timeout,
+                  save_timeout_s=args.jit_save_timeout, sched=sched)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

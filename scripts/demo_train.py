@@ -1,0 +1,126 @@
+"""A small transformer language model trained with DDP on synthetic tokens.
+
+The worked example of the jitckpt user contract (README, "The save_fn
+contract"): everything that decides what minibatch i computes is captured as it
+was at the *start* of minibatch i, so a JIT checkpoint taken anywhere in the
+forward/backward/all-reduce of minibatch i (or at the start of i+1) redoes the
+minibatch exactly:
+
+* model, optimizer and LR-scheduler state (only the optimizer step changes them);
+* the step counter, which is also the data position (batch i is a pure
+  function of (seed, i, rank));
+* the torch RNG state snapshot taken at the top of the loop (dropout consumes
+  the RNG during forward, so the live state is already past the start).
+
+save_fn does no collective and writes into the directory it is given.
+
+Run under jitrun (see `make demo`), or plain torchrun / python: jitckpt then
+does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import jitckpt
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int, dropout: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
+
+
+def batch(seed: int, step: int, rank: int, bs: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 7919 + rank)
+    # a learnable synthetic language: next token = (a * token + b) mod vocab, with noise
+    start = torch.randint(0, vocab, (bs, 1), generator=g)
+    idx = torch.arange(seq + 1).unsqueeze(0)
+    seqs = (start * 31 + idx * 17) % vocab
+    noise = torch.rand(bs, seq + 1, generator=g) < 0.1
+    seqs = torch.where(noise, torch.randint(0, vocab, (bs, seq + 1), generator=g), seqs)
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
+    ap.add_argument("--log-every", type=int, default=10)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.d_model, args.layers, 4, args.seq, dropout=0.1)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    cursor = {"step": 0, "rng": torch.get_rng_state()}
+
+    def save_fn(ckpt_dir: str) -> None:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+                    "step": cursor["step"], "rng": cursor["rng"]}, os.path.join(ckpt_dir, "state.pt"))
+
+    jitckpt.register(save_fn)
+    path = jitckpt.get_checkpoint_path()
+    start = 0
+    if path is not None:
+        # weights_only=True: a checkpoint is data, never code
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        sched.load_state_dict(state["sched"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+        print(f"[rank {rank}] resumed from {path} at step {start}", flush=True)
+
+    t0 = time.time()
+    for step in range(start, args.steps):
+        cursor["step"], cursor["rng"] = step, torch.get_rng_state()
+        x, y = batch(args.seed, step, rank, args.batch, args.seq, args.vocab)
+        logits = ddp(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
+    if rank == 0:
+        print(f"[rank 0] trained {args.steps - start} steps in {time.time() - t0:.2f}s", flush=True)
+        if args.out:
+            tmp = args.out + ".tmp"
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp)
+            os.replace(tmp, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
