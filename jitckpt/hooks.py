@@ -87,6 +87,8 @@ def install(rt: Runtime) -> None:
         if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
             setattr(dist, name, _guard(rt, fn))
 
+    _isolate_attempts(rt.cfg.restart_count)
+
     timeout = timedelta(seconds=rt.cfg.timeout_s)
     c10d.default_pg_timeout = timeout
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
@@ -100,3 +102,29 @@ def install(rt: Runtime) -> None:
         prev_hook(tp, exc, tb)
 
     sys.excepthook = excepthook
+
+
+def _isolate_attempts(attempt: int) -> None:
+    """Give each restart attempt its own key space in the agent's store.
+
+    torchrun's c10d rendezvous keeps one TCPStore across restarts and env://
+    adds no per-attempt prefix, so a restarted gloo rank can read a dead peer's
+    address left by the previous attempt and fail to connect. Wrapping the
+    env:// handler's store in a PrefixStore keyed by the restart count removes
+    that race without touching the user's init_process_group call.
+    """
+    import torch.distributed as dist
+
+    # the module, not the function torch.distributed.rendezvous that shadows it
+    rdzv = sys.modules["torch.distributed.rendezvous"]
+    orig = rdzv._rendezvous_handlers["env"]
+    if getattr(orig, "__jitckpt_wrapped__", None):
+        return
+
+    def env_handler(url, **kwargs):
+        for store, rank, world_size in orig(url, **kwargs):
+            yield dist.PrefixStore(f"jitckpt/attempt_{attempt}", store), rank, world_size
+
+    env_handler.__jitckpt_wrapped__ = orig
+    # register_rendezvous_handler refuses to replace a scheme; the table is the API it fills
+    rdzv._rendezvous_handlers["env"] = env_handler
