@@ -13,6 +13,48 @@ NCCL_INCLUDE ?= $(firstword $(patsubst %/nccl.h,%,$(wildcard \
 
 .PHONY: check-abi check-abi-own fetch-nccl-header clean-sim
 
+SIM_CFLAGS  = $(CFLAGS) -fvisibility=hidden $(SIM_CPPFLAGS)
+SIM_LDFLAGS = -shared -Wl,-z,defs -Wl,--as-needed -pthread
+SIM_CORE    = $(SIM_OUT)/libjitsimcore.so
+SIM_LIBS    = $(SIM_CORE) $(SIM_OUT)/libcudart.so.12 $(SIM_OUT)/libcudart.so.13 \
+              $(SIM_OUT)/libnccl.so.2 $(SIM_OUT)/libcudart.so $(SIM_OUT)/libnccl.so \
+              $(SIM_OUT)/jitsim-cleanup
+SIM_HDRS    = abi/cuda_abi.h abi/nccl_abi.h sim/simcore.h
+
+all: sim
+.SECONDARY: $(SIM_OUT)/cudart12.map $(SIM_OUT)/cudart13.map
+sim: $(SIM_LIBS)
+
+$(SIM_OUT)/.dir:
+	mkdir -p $(SIM_OUT) && touch $@
+
+# "Driver" shared by both runtimes and NCCL (see sim/simcore.h for why).
+$(SIM_CORE): sim/simcore.c $(SIM_HDRS) sim/jitsimcore.map $(SIM_OUT)/.dir
+	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libjitsimcore.so \
+	  -Wl,--version-script=sim/jitsimcore.map -o $@ sim/simcore.c
+
+$(SIM_OUT)/cudart%.map: sim/cudart.map.in $(SIM_OUT)/.dir
+	sed 's/@MAJOR@/$*/g' $< > $@
+
+$(SIM_OUT)/libcudart.so.%: sim/cudart.c $(SIM_HDRS) $(SIM_OUT)/cudart%.map $(SIM_CORE)
+	$(CC) $(SIM_CFLAGS) -DJITSIM_CUDART_MAJOR=$* $(SIM_LDFLAGS) -Wl,-soname,libcudart.so.$* \
+	  -Wl,--version-script=$(SIM_OUT)/cudart$*.map -o $@ sim/cudart.c \
+	  -L$(SIM_OUT) -ljitsimcore -Wl,-rpath,'$$ORIGIN' -Wl,-Bsymbolic-functions
+
+$(SIM_OUT)/libnccl.so.2: sim/nccl.c $(SIM_HDRS) sim/nccl.map $(SIM_CORE)
+	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libnccl.so.2 \
+	  -Wl,--version-script=sim/nccl.map -o $@ sim/nccl.c \
+	  -L$(SIM_OUT) -ljitsimcore -lrt -Wl,-rpath,'$$ORIGIN'
+
+# Link-time names, as in a CUDA toolkit: libcudart.so -> the newest runtime.
+$(SIM_OUT)/libcudart.so: $(SIM_OUT)/libcudart.so.13
+	ln -sf libcudart.so.13 $@
+$(SIM_OUT)/libnccl.so: $(SIM_OUT)/libnccl.so.2
+	ln -sf libnccl.so.2 $@
+
+$(SIM_OUT)/jitsim-cleanup: sim/jitsim-cleanup.c $(SIM_OUT)/.dir
+	$(CC) $(CFLAGS) -o $@ $<
+
 check-abi: check-abi-own
 	@if [ -f $(CUDA_INCLUDE)/cuda_runtime_api.h ]; then \
 	  set -e; mkdir -p $(SIM_OUT)/check; \
