@@ -24,14 +24,19 @@ def install() -> Runtime:
     """Attach the runtime to torch (jitrun's bootstrap calls this before the
     user's script runs; ``register`` calls it when the bootstrap did not)."""
     rt = _get_runtime()
-    if getattr(rt, "_installed", False) or not rt.cfg.managed:
+    if getattr(rt, "_installed", False):
         return rt
     from . import hooks
 
-    rt.connect()
-    hooks.install(rt)
-    rt.install_signal_watch()
-    _attach_intercept(rt)
+    if rt.cfg.managed:
+        rt.connect()
+        hooks.install(rt)
+        rt.install_signal_watch()
+        _attach_intercept(rt)
+    elif rt.cfg.fault_spec:
+        # Fault injection alone, e.g. a plain torchrun baseline started with
+        # `torchrun ... -m jitckpt._bootstrap train.py`: no detection, no saves.
+        hooks.install(rt, detect=False)
     rt._installed = True
     return rt
 

@@ -47,7 +47,9 @@ def _guard(rt: Runtime, fn):
     return wrapper
 
 
-def install(rt: Runtime) -> None:
+def install(rt: Runtime, detect: bool = True) -> None:
+    """Attach ``rt``. With ``detect=False`` only phase tracking and fault
+    injection are attached (the process behaves as under plain torchrun)."""
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     import torch.distributed as dist
@@ -76,18 +78,19 @@ def install(rt: Runtime) -> None:
         try:
             return orig_backward(tensors, *args, **kwargs)
         except RuntimeError as e:
-            if is_collective_error(e):
+            if detect and is_collective_error(e):
                 rt.on_collective_error(e)
             raise
 
     torch.autograd.backward = backward
+    _isolate_attempts(rt.cfg.restart_count)
+    if not detect:
+        return
 
     for name in _COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
             setattr(dist, name, _guard(rt, fn))
-
-    _isolate_attempts(rt.cfg.restart_count)
 
     timeout = timedelta(seconds=rt.cfg.timeout_s)
     c10d.default_pg_timeout = timeout

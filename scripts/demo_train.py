@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
     ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--ckpt-every", type=int, default=0,
+                    help="periodic baseline: rank 0 saves to --ckpt-dir every N steps (0 = never)")
+    ap.add_argument("--ckpt-dir", default=None)
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -88,16 +91,20 @@ def main() -> None:
 
     jitckpt.register(save_fn)
     path = jitckpt.get_checkpoint_path()
+    state_file = os.path.join(path, "state.pt") if path is not None else None
+    periodic = os.path.join(args.ckpt_dir, "periodic.pt") if args.ckpt_dir else None
+    if state_file is None and periodic is not None and os.path.exists(periodic):
+        state_file = periodic
     start = 0
-    if path is not None:
+    if state_file is not None:
         # weights_only=True: a checkpoint is data, never code
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
+        state = torch.load(state_file, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])
         start = state["step"]
-        print(f"[rank {rank}] resumed from {path} at step {start}", flush=True)
+        print(f"[rank {rank}] resumed from {state_file} at step {start}", flush=True)
 
     t0 = time.time()
     for step in range(start, args.steps):
@@ -111,6 +118,17 @@ def main() -> None:
         sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.ckpt_every and rank == 0 and (step + 1) % args.ckpt_every == 0:
+            # what users run today: a blocking torch.save every N steps, made atomic
+            cursor["step"], cursor["rng"] = step + 1, torch.get_rng_state()
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            tmp = periodic + ".tmp"
+            save_fn(args.ckpt_dir)
+            os.replace(os.path.join(args.ckpt_dir, "state.pt"), tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, periodic)
+            print(f"[rank 0] periodic checkpoint at step {step + 1}", flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
     if rank == 0:
