@@ -1,0 +1,485 @@
+/*
+ * shim_cuda.c - CUDA runtime hooks.
+ *
+ * Every hook: (1) passes straight through when the runtime calls back into a
+ * hooked symbol while serving us (ji_tls_depth), (2) counts, (3) maps virtual
+ * handles to physical ones, (4) parks the thread around calls that can block
+ * on device progress, (5) appends a replay record after success.
+ * The event record/query and wait paths take no lock: relaxed counters, one
+ * acquire load per handle, and one fetch_add in the replay log.
+ */
+#define _GNU_SOURCE
+#include <string.h>
+
+#include "shim_internal.h"
+
+/* Re-declare every hook from the table: a drift from abi/ is a compile error. */
+#define JI_PROTO_(name, ret, params, args, lib, flags) JI_API ret name params;
+JI_TABLE(JI_PROTO_)
+#undef JI_PROTO_
+
+#define NO_LIB cudaErrorInitializationError
+
+#define CALL(expr) (ji_tls_depth++, __extension__({ cudaError_t r_ = (expr); ji_tls_depth--; r_; }))
+
+/* Handle translation that rejects destroyed virtual handles. */
+#define XLATE(out, h)                                                        \
+  void *out = (void *)(h);                                                   \
+  do {                                                                       \
+    ji_vh *v_ = ji_vh_of(h);                                                 \
+    if (v_) {                                                                \
+      out = atomic_load_explicit(&v_->phys, memory_order_acquire);           \
+      if (JI_UNLIKELY(!out)) return cudaErrorInvalidResourceHandle;          \
+    }                                                                        \
+  } while (0)
+
+static inline int in_trigger(void) {
+  return JI_UNLIKELY(ji_tls_trigger) && atomic_load_explicit(&ji_trigger_active, memory_order_relaxed);
+}
+
+static void log_words(int id, unsigned n, const uint64_t *w) {
+  if (!ji_log_on()) return;
+  ji_rec *r = ji_log_reserve(id, n, 0);
+  if (!r) return;
+  memcpy(r->a, w, n * sizeof(uint64_t));
+  ji_log_commit(r);
+}
+#define U(x) ((uint64_t)(uintptr_t)(x))
+
+/* ---------------- events ---------------- */
+static cudaError_t ev_create(int id, cudaEvent_t *event, unsigned flags) {
+  void *fn = ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth || !event) {
+    return id == JI_ID_cudaEventCreate ? ((ji_fn_cudaEventCreate)fn)(event)
+                                       : ((ji_fn_cudaEventCreateWithFlags)fn)(event, flags);
+  }
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  cudaEvent_t phys = NULL;
+  cudaError_t r = id == JI_ID_cudaEventCreate ? CALL(((ji_fn_cudaEventCreate)fn)(&phys))
+                                              : CALL(((ji_fn_cudaEventCreateWithFlags)fn)(&phys, flags));
+  if (r != cudaSuccess) return r;
+  ji_vh *v = ji_vh_alloc(JI_VK_EVENT, phys);
+  if (!v) { /* arena exhausted: still correct, just not re-creatable */
+    *event = phys;
+    return r;
+  }
+  v->cflags = flags;
+  *event = (cudaEvent_t)v;
+  uint64_t w[2] = {U(v), flags};
+  log_words(id, 2, w);
+  return r;
+}
+JI_API cudaError_t cudaEventCreate(cudaEvent_t *event) { return ev_create(JI_ID_cudaEventCreate, event, 0); }
+JI_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
+  return ev_create(JI_ID_cudaEventCreateWithFlags, event, flags);
+}
+
+JI_API cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  ji_fn_cudaEventDestroy fn = REAL(cudaEventDestroy);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(event);
+  COUNT(cudaEventDestroy);
+  XLATE(pe, event);
+  cudaError_t r = CALL(fn(pe));
+  if (r == cudaSuccess) {
+    uint64_t w[1] = {U(event)};
+    log_words(JI_ID_cudaEventDestroy, 1, w);
+    ji_vh_free(ji_vh_of(event));
+  }
+  return r;
+}
+
+static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stream, unsigned flags, int wf) {
+  void *fn = ji_real(id);
+  if (JI_UNLIKELY(!fn)) return NO_LIB;
+  if (JI_UNLIKELY(ji_tls_depth))
+    return wf ? ((ji_fn_cudaEventRecordWithFlags)fn)(event, stream, flags)
+              : ((ji_fn_cudaEventRecord)fn)(event, stream);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  XLATE(pe, event);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  cudaError_t r = wf ? CALL(((ji_fn_cudaEventRecordWithFlags)fn)(pe, ps, flags))
+                     : CALL(((ji_fn_cudaEventRecord)fn)(pe, ps));
+  if (JI_LIKELY(r == cudaSuccess)) {
+    ji_vh *ve = ji_vh_of(event);
+    if (ve) {
+      /* Fig. 3 bookkeeping: which stream the event was last recorded on, so a
+       * later cudaStreamWaitEvent can tell whether it guards an NCCL stream. */
+      atomic_store_explicit(&ve->rec_stream, (void *)stream, memory_order_relaxed);
+      if (ji_is_nccl_stream(stream)) atomic_store_explicit(&ve->rec_t, ji_now(), memory_order_relaxed);
+      atomic_fetch_add_explicit(&ve->rec_seq, 1, memory_order_release);
+    }
+    if (ji_log_on()) {
+      ji_rec *rec = ji_log_reserve(id, 3, 0);
+      if (rec) {
+        rec->a[0] = U(event);
+        rec->a[1] = U(stream);
+        rec->a[2] = flags;
+        ji_log_commit(rec);
+      }
+    }
+  }
+  return r;
+}
+JI_API cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  return ev_record(JI_ID_cudaEventRecord, event, stream, 0, 0);
+}
+JI_API cudaError_t cudaEventRecord_ptsz(cudaEvent_t event, cudaStream_t stream) {
+  return ev_record(JI_ID_cudaEventRecord_ptsz, event, stream, 0, 0);
+}
+JI_API cudaError_t cudaEventRecordWithFlags(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  return ev_record(JI_ID_cudaEventRecordWithFlags, event, stream, flags, 1);
+}
+JI_API cudaError_t cudaEventRecordWithFlags_ptsz(cudaEvent_t event, cudaStream_t stream, unsigned int flags) {
+  return ev_record(JI_ID_cudaEventRecordWithFlags_ptsz, event, stream, flags, 1);
+}
+
+JI_API cudaError_t cudaEventQuery(cudaEvent_t event) {
+  ji_fn_cudaEventQuery fn = REAL(cudaEventQuery);
+  if (JI_UNLIKELY(!fn)) return NO_LIB;
+  if (JI_UNLIKELY(ji_tls_depth)) return fn(event);
+  COUNT(cudaEventQuery);
+  XLATE(pe, event);
+  /* A pure query changes no device state: not logged. */
+  return CALL(fn(pe));
+}
+
+JI_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  ji_fn_cudaEventSynchronize fn = REAL(cudaEventSynchronize);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(event);
+  COUNT(cudaEventSynchronize);
+  XLATE(pe, event);
+  if (in_trigger()) {
+    /* The handler's own work went to the private stream; waiting on an app
+     * event recorded behind a hung collective would deadlock the save. */
+    ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
+    return ss ? CALL(ss(ji_private_stream())) : NO_LIB;
+  }
+  ji_park_enter();
+  cudaError_t r = CALL(fn(pe));
+  ji_park_exit();
+  return r;
+}
+
+/* ---------------- streams ---------------- */
+static cudaError_t st_create(int id, cudaStream_t *ps, unsigned flags, int prio) {
+  void *fn = ji_real(id);
+  if (!fn) return NO_LIB;
+#define ST_CALL(p)                                                              \
+  (id == JI_ID_cudaStreamCreate ? ((ji_fn_cudaStreamCreate)fn)(p)                \
+   : id == JI_ID_cudaStreamCreateWithFlags                                       \
+       ? ((ji_fn_cudaStreamCreateWithFlags)fn)(p, flags)                         \
+       : ((ji_fn_cudaStreamCreateWithPriority)fn)(p, flags, prio))
+  if (ji_tls_depth || !ps) return ST_CALL(ps);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  cudaStream_t phys = NULL;
+  cudaError_t r = CALL(ST_CALL(&phys));
+#undef ST_CALL
+  if (r != cudaSuccess) return r;
+  ji_vh *v = ji_vh_alloc(JI_VK_STREAM, phys);
+  if (!v) {
+    *ps = phys;
+    return r;
+  }
+  v->cflags = flags;
+  v->prio = prio;
+  *ps = (cudaStream_t)v;
+  uint64_t w[3] = {U(v), flags, (uint64_t)(int64_t)prio};
+  log_words(id, 3, w);
+  return r;
+}
+JI_API cudaError_t cudaStreamCreate(cudaStream_t *pStream) { return st_create(JI_ID_cudaStreamCreate, pStream, 0, 0); }
+JI_API cudaError_t cudaStreamCreateWithFlags(cudaStream_t *pStream, unsigned int flags) {
+  return st_create(JI_ID_cudaStreamCreateWithFlags, pStream, flags, 0);
+}
+JI_API cudaError_t cudaStreamCreateWithPriority(cudaStream_t *pStream, unsigned int flags, int priority) {
+  return st_create(JI_ID_cudaStreamCreateWithPriority, pStream, flags, priority);
+}
+
+JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  ji_fn_cudaStreamDestroy fn = REAL(cudaStreamDestroy);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream);
+  COUNT(cudaStreamDestroy);
+  XLATE(ps, stream);
+  cudaError_t r = CALL(fn(ps));
+  if (r == cudaSuccess) {
+    uint64_t w[1] = {U(stream)};
+    log_words(JI_ID_cudaStreamDestroy, 1, w);
+    ji_vh_free(ji_vh_of(stream));
+  }
+  return r;
+}
+
+static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event, unsigned flags) {
+  ji_fn_cudaStreamWaitEvent fn = (ji_fn_cudaStreamWaitEvent)ji_real(id);
+  if (JI_UNLIKELY(!fn)) return NO_LIB;
+  if (JI_UNLIKELY(ji_tls_depth)) return fn(stream, event, flags);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  XLATE(ps, stream);
+  XLATE(pe, event);
+  cudaError_t r = CALL(fn(ps, pe, flags));
+  if (JI_LIKELY(r == cudaSuccess)) {
+    ji_vh *ve = ji_vh_of(event);
+    if (ve) {
+      void *rs = atomic_load_explicit(&ve->rec_stream, memory_order_relaxed);
+      /* Paper Fig. 3: an event on an NCCL stream that another stream waits on
+       * guards the collective(s) before it: watch it. */
+      if (rs != (void *)stream && ji_is_nccl_stream((cudaStream_t)rs)) ji_wd_stream_wait(stream, ve);
+    }
+    if (ji_log_on()) {
+      ji_rec *rec = ji_log_reserve(id, 3, 0);
+      if (rec) {
+        rec->a[0] = U(stream);
+        rec->a[1] = U(event);
+        rec->a[2] = flags;
+        ji_log_commit(rec);
+      }
+    }
+  }
+  return r;
+}
+JI_API cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  return st_wait(JI_ID_cudaStreamWaitEvent, stream, event, flags);
+}
+JI_API cudaError_t cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+  return st_wait(JI_ID_cudaStreamWaitEvent_ptsz, stream, event, flags);
+}
+
+static cudaError_t st_sync(int id, cudaStream_t stream) {
+  ji_fn_cudaStreamSynchronize fn = (ji_fn_cudaStreamSynchronize)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  ji_park_enter();
+  cudaError_t r = CALL(fn(ps));
+  ji_park_exit();
+  return r;
+}
+JI_API cudaError_t cudaStreamSynchronize(cudaStream_t stream) { return st_sync(JI_ID_cudaStreamSynchronize, stream); }
+JI_API cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t stream) {
+  return st_sync(JI_ID_cudaStreamSynchronize_ptsz, stream);
+}
+
+JI_API cudaError_t cudaDeviceSynchronize(void) {
+  ji_fn_cudaDeviceSynchronize fn = REAL(cudaDeviceSynchronize);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn();
+  COUNT(cudaDeviceSynchronize);
+  if (in_trigger()) {
+    ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
+    return ss ? CALL(ss(ji_private_stream())) : NO_LIB;
+  }
+  ji_park_enter();
+  cudaError_t r = CALL(fn());
+  ji_park_exit();
+  return r;
+}
+
+/* ---------------- memory ---------------- */
+JI_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
+  ji_fn_cudaMalloc fn = REAL(cudaMalloc);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(devPtr, size);
+  COUNT(cudaMalloc);
+  ji_park_enter();
+  cudaError_t r = CALL(fn(devPtr, size));
+  ji_park_exit();
+  if (r == cudaSuccess && devPtr) {
+    ji_alloc_track(*devPtr, size);
+    uint64_t w[2] = {U(*devPtr), size};
+    log_words(JI_ID_cudaMalloc, 2, w);
+  }
+  return r;
+}
+
+JI_API cudaError_t cudaFree(void *devPtr) {
+  ji_fn_cudaFree fn = REAL(cudaFree);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(devPtr);
+  COUNT(cudaFree);
+  ji_park_enter();
+  cudaError_t r = CALL(fn(devPtr));
+  ji_park_exit();
+  if (r == cudaSuccess && devPtr) {
+    ji_alloc_untrack(devPtr);
+    uint64_t w[1] = {U(devPtr)};
+    log_words(JI_ID_cudaFree, 1, w);
+  }
+  return r;
+}
+
+static int src_is_host(const void *src, enum cudaMemcpyKind kind) {
+  return kind == cudaMemcpyHostToDevice || (kind == cudaMemcpyDefault && !ji_is_device_ptr(src));
+}
+static int dst_is_device(const void *dst, enum cudaMemcpyKind kind) {
+  return kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice ||
+         (kind == cudaMemcpyDefault && ji_is_device_ptr(dst));
+}
+
+static void log_memcpy(int id, void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                       cudaStream_t stream) {
+  if (!ji_log_on()) return;
+  /* H2D sources are captured by value: the host buffer will have been reused
+   * by the time a replay runs. Copies into host memory carry no payload. */
+  size_t blob = (dst_is_device(dst, kind) && src_is_host(src, kind)) ? count : 0;
+  ji_rec *r = ji_log_reserve(id, 5, blob);
+  if (!r) return;
+  r->a[0] = U(dst);
+  r->a[1] = U(src);
+  r->a[2] = count;
+  r->a[3] = (uint64_t)kind;
+  r->a[4] = U(stream);
+  if (blob) memcpy(ji_rec_blob(r), src, blob);
+  ji_log_commit(r);
+}
+
+/* During the trigger every copy goes to the private non-blocking stream and
+ * completes before returning: the application's streams may be stuck behind
+ * a hung collective (paper §3.2, last paragraph). */
+static cudaError_t memcpy_redirect(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+  ji_fn_cudaMemcpyAsync ma = REAL(cudaMemcpyAsync);
+  ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
+  cudaStream_t priv = ji_private_stream();
+  if (!ma || !ss || !priv) return cudaErrorNotReady;
+  atomic_fetch_add_explicit(&ji_stats[JI_ST_REDIRECTS], 1, memory_order_relaxed);
+  cudaError_t r = CALL(ma(dst, src, count, kind, priv));
+  if (r == cudaSuccess) r = CALL(ss(priv));
+  return r;
+}
+
+static cudaError_t mc_sync(int id, void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+  ji_fn_cudaMemcpy fn = (ji_fn_cudaMemcpy)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(dst, src, count, kind);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
+    cudaError_t r = memcpy_redirect(dst, src, count, kind);
+    if (r != cudaErrorNotReady) return r;
+  }
+  ji_park_enter();
+  cudaError_t r = CALL(fn(dst, src, count, kind));
+  ji_park_exit();
+  if (r == cudaSuccess) log_memcpy(id, dst, src, count, kind, NULL);
+  return r;
+}
+JI_API cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+  return mc_sync(JI_ID_cudaMemcpy, dst, src, count, kind);
+}
+JI_API cudaError_t cudaMemcpy_ptds(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+  return mc_sync(JI_ID_cudaMemcpy_ptds, dst, src, count, kind);
+}
+
+static cudaError_t mc_async(int id, void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  ji_fn_cudaMemcpyAsync fn = (ji_fn_cudaMemcpyAsync)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(dst, src, count, kind, stream);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  XLATE(ps, stream);
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
+    cudaError_t r = memcpy_redirect(dst, src, count, kind);
+    if (r != cudaErrorNotReady) return r;
+  }
+  /* Pageable-memory async copies can block the host. */
+  ji_park_enter();
+  cudaError_t r = CALL(fn(dst, src, count, kind, ps));
+  ji_park_exit();
+  if (r == cudaSuccess) log_memcpy(id, dst, src, count, kind, stream);
+  return r;
+}
+JI_API cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                                   cudaStream_t stream) {
+  return mc_async(JI_ID_cudaMemcpyAsync, dst, src, count, kind, stream);
+}
+JI_API cudaError_t cudaMemcpyAsync_ptsz(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                                        cudaStream_t stream) {
+  return mc_async(JI_ID_cudaMemcpyAsync_ptsz, dst, src, count, kind, stream);
+}
+
+/* ---------------- kernels ---------------- */
+#define JI_MAXP 64
+static void log_launch(int id, const void *fn_or_kernel, int is_kernel, dim3 g, dim3 b, void **args,
+                       size_t shm, cudaStream_t stream) {
+  if (!ji_log_on()) return;
+  size_t offs[JI_MAXP], sizes[JI_MAXP];
+  int np = ji_kernel_params(fn_or_kernel, is_kernel, offs, sizes, JI_MAXP);
+  size_t blob = 0;
+  if (np > 0 && !args) np = -1;
+  if (np < 0) {
+    ji_log_mark_incomplete();
+  } else {
+    blob = (size_t)np * 8;
+    for (int i = 0; i < np; i++) blob += (sizes[i] + 7) & ~(size_t)7;
+  }
+  ji_rec *r = ji_log_reserve(id, 8, blob);
+  if (!r) return;
+  r->a[0] = U(fn_or_kernel);
+  r->a[1] = (uint64_t)g.x | ((uint64_t)g.y << 32);
+  r->a[2] = g.z;
+  r->a[3] = (uint64_t)b.x | ((uint64_t)b.y << 32);
+  r->a[4] = b.z;
+  r->a[5] = shm;
+  r->a[6] = U(stream);
+  r->a[7] = (uint64_t)(int64_t)np;
+  /* Blob: np sizes, then each argument's bytes by value, 8-aligned. */
+  unsigned char *p = ji_rec_blob(r);
+  for (int i = 0; i < np; i++) ((uint64_t *)p)[i] = sizes[i];
+  p += (size_t)np * 8;
+  for (int i = 0; i < np; i++) {
+    memcpy(p, args[i], sizes[i]);
+    p += (sizes[i] + 7) & ~(size_t)7;
+  }
+  ji_log_commit(r);
+}
+
+static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, dim3 b, void **args, size_t shm,
+                                 cudaStream_t stream) {
+  void *fn = ji_real(id);
+  if (JI_UNLIKELY(!fn)) return NO_LIB;
+#define LCALL(s)                                                              \
+  (is_kernel ? ((ji_fn___cudaLaunchKernel)fn)((cudaKernel_t)f, g, b, args, shm, s) \
+             : ((ji_fn_cudaLaunchKernel)fn)(f, g, b, args, shm, s))
+  if (JI_UNLIKELY(ji_tls_depth)) return LCALL(stream);
+  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  cudaError_t r = CALL(LCALL(ps));
+#undef LCALL
+  if (r == cudaSuccess) log_launch(id, f, is_kernel, g, b, args, shm, stream);
+  return r;
+}
+JI_API cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args, size_t sharedMem,
+                                    cudaStream_t stream) {
+  return launch(JI_ID_cudaLaunchKernel, func, 0, gridDim, blockDim, args, sharedMem, stream);
+}
+JI_API cudaError_t cudaLaunchKernel_ptsz(const void *func, dim3 gridDim, dim3 blockDim, void **args,
+                                         size_t sharedMem, cudaStream_t stream) {
+  return launch(JI_ID_cudaLaunchKernel_ptsz, func, 0, gridDim, blockDim, args, sharedMem, stream);
+}
+JI_API cudaError_t __cudaLaunchKernel(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim, void **args,
+                                      size_t sharedMem, cudaStream_t stream) {
+  return launch(JI_ID___cudaLaunchKernel, (const void *)kernel, 1, gridDim, blockDim, args, sharedMem, stream);
+}
+JI_API cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 gridDim, dim3 blockDim, void **args,
+                                           size_t sharedMem, cudaStream_t stream) {
+  return launch(JI_ID___cudaLaunchKernel_ptsz, (const void *)kernel, 1, gridDim, blockDim, args, sharedMem,
+                stream);
+}
+
+JI_API cudaError_t __cudaGetKernel(cudaKernel_t *kernel, const void *func) {
+  ji_fn___cudaGetKernel fn = REAL(__cudaGetKernel);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(kernel, func);
+  COUNT(__cudaGetKernel);
+  cudaError_t r = CALL(fn(kernel, func));
+  /* Lets the stand-in's param-info lookup (keyed by host function) serve
+   * launches that only carry the kernel handle. */
+  if (r == cudaSuccess && kernel) ji_kernel_map(*kernel, func);
+  return r;
+}

@@ -1,0 +1,153 @@
+/* shim_internal.h - declarations shared by the shim's translation units. */
+#ifndef JI_SHIM_INTERNAL_H
+#define JI_SHIM_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stddef.h>
+#include <signal.h>
+
+#include "cuda_abi.h"
+#include "nccl_abi.h"
+#include "shim_table.h"
+
+#define JI_API __attribute__((visibility("default")))
+#define JI_HIDDEN __attribute__((visibility("hidden")))
+#define JI_LIKELY(x) __builtin_expect(!!(x), 1)
+#define JI_UNLIKELY(x) __builtin_expect(!!(x), 0)
+/* Static TLS: the shim is preloaded, so initial-exec is valid and keeps each
+ * thread-local access a single %fs-relative load on the hot path. */
+#define JI_TLS __thread __attribute__((tls_model("initial-exec")))
+
+/* ---- real symbols and counters (shim_core.c) ---- */
+#define JI_FNTYPE_(name, ret, params, args, lib, flags) typedef ret(*ji_fn_##name) params;
+JI_TABLE(JI_FNTYPE_)
+#undef JI_FNTYPE_
+
+extern _Atomic(void *) ji_real_fns[JI_N_SYMS];
+extern _Atomic uint64_t ji_counters[JI_N_SYMS];
+extern const char *const ji_names[JI_N_SYMS];
+extern const unsigned ji_flags[JI_N_SYMS];
+
+JI_HIDDEN void *ji_resolve(int id);
+/* Pointer to the real function, or NULL when the library is not loaded. */
+static inline void *ji_real(int id) {
+  void *p = atomic_load_explicit(&ji_real_fns[id], memory_order_relaxed);
+  return JI_LIKELY(p != NULL) ? p : ji_resolve(id);
+}
+#define REAL(name) ((ji_fn_##name)ji_real(JI_ID_##name))
+#define COUNT(name) atomic_fetch_add_explicit(&ji_counters[JI_ID_##name], 1, memory_order_relaxed)
+
+/* Depth of shim frames on this thread: calls the runtime makes into other
+ * hooked entry points while serving our call (the stand-in's libnccl calling
+ * libcudart through the PLT, for example) must pass straight through, or they
+ * would be logged and counted twice and see physical handles as foreign. */
+extern JI_TLS int ji_tls_depth;
+/* Set while this thread runs the hang handler (the trigger thread). */
+extern JI_TLS int ji_tls_trigger;
+/* Per-thread replay-log pause (jitintercept_log_suspend). */
+extern JI_TLS int ji_tls_log_off;
+
+JI_HIDDEN double ji_now(void);
+JI_HIDDEN const char *ji_getenv(const char *name);
+JI_HIDDEN void *ji_sym_in_lib(int lib, const char *name);
+
+/* ---- virtual handles (shim_vh.c) ---- */
+enum { JI_VK_STREAM = 1, JI_VK_EVENT = 2, JI_VK_COMM = 3 };
+#define JI_VH_NCCL 1u /* stream carries NCCL work */
+
+struct ji_comm_info;
+typedef struct ji_vh {
+  _Atomic(void *) phys;
+  uint32_t kind;
+  _Atomic uint32_t gen;
+  uint32_t cflags; /* creation flags (stream / event) */
+  int32_t prio;
+  _Atomic uint32_t sflags;            /* stream: JI_VH_NCCL */
+  _Atomic uint32_t last_coll;         /* stream: id of the last collective */
+  _Atomic(void *) rec_stream;         /* event: app stream handle of the last record */
+  _Atomic uint64_t rec_seq;           /* event: bumped on every record */
+  struct ji_comm_info *comm;          /* comm: creation record; free-list link */
+  _Atomic double rec_t;               /* event: host time of the last record */
+} ji_vh;
+_Static_assert(sizeof(ji_vh) <= 64, "virtual handle slot must stay one line");
+
+extern uintptr_t ji_vh_base;
+#define JI_VH_SLOT 64u
+#define JI_VH_MAX (1u << 20)
+
+static inline ji_vh *ji_vh_of(const void *h) {
+  uintptr_t off = (uintptr_t)h - ji_vh_base;
+  if (JI_LIKELY(off < (uintptr_t)JI_VH_SLOT * JI_VH_MAX) && (off % JI_VH_SLOT) == 0 && ji_vh_base)
+    return (ji_vh *)h;
+  return NULL;
+}
+/* Physical handle for a virtual one; anything else (0, legacy/per-thread
+ * stream constants, handles created behind our back) passes unchanged. */
+static inline void *ji_phys(const void *h) {
+  ji_vh *v = ji_vh_of(h);
+  return v ? atomic_load_explicit(&v->phys, memory_order_acquire) : (void *)h;
+}
+JI_HIDDEN ji_vh *ji_vh_alloc(uint32_t kind, void *phys);
+JI_HIDDEN void ji_vh_free(ji_vh *v);
+JI_HIDDEN void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
+
+struct ji_comm_info {
+  int nranks, rank;
+  ncclUniqueId id;
+  int has_config;
+  ncclConfig_t config;
+  ji_vh *parent; /* non-NULL for ncclCommSplit children */
+  int color, key;
+};
+
+/* ---- NCCL stream bookkeeping for default/per-thread streams ---- */
+JI_HIDDEN void ji_mark_nccl_stream(cudaStream_t vstream, int coll_id);
+JI_HIDDEN int ji_is_nccl_stream(cudaStream_t vstream);
+
+/* ---- watchdog (shim_watchdog.c) ---- */
+JI_HIDDEN void ji_wd_start(void);
+JI_HIDDEN void ji_wd_comm_add(ji_vh *vc);
+JI_HIDDEN void ji_wd_comm_remove(ji_vh *vc);
+JI_HIDDEN void ji_wd_collective(int id, cudaStream_t vstream, ji_vh *vcomm);
+JI_HIDDEN void ji_wd_group_start(void);
+JI_HIDDEN void ji_wd_group_end(int ok);
+JI_HIDDEN void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev);
+JI_HIDDEN void ji_wd_reset(void);
+extern _Atomic int ji_trigger_active;
+enum { JI_ST_REDIRECTS, JI_ST_TRIGGERS, JI_ST_GIL_SIGNALS, JI_ST_GIL_RELEASED, JI_ST_WATCHED,
+       JI_ST_COMPLETED, JI_ST_OVERFLOW_TOTAL, JI_ST_N };
+extern _Atomic uint64_t ji_stats[JI_ST_N];
+JI_HIDDEN cudaStream_t ji_private_stream(void);
+
+/* Blocking-call bracket: marks this thread parked in the runtime so the
+ * watchdog may ask it, by signal, to release the GIL (see shim_gil.c). */
+JI_HIDDEN void ji_park_enter(void);
+JI_HIDDEN void ji_park_exit(void);
+JI_HIDDEN int ji_gil_release_parked(double wait_s);
+
+/* ---- replay log (shim_replay.c) ---- */
+typedef struct ji_rec {
+  uint32_t size;  /* bytes of this record, 8-aligned; 0 = not committed */
+  uint32_t epoch; /* minibatch number; stale records from earlier epochs end a scan */
+  uint16_t id;    /* JI_ID_* */
+  uint16_t nargs;
+  uint32_t blob_len;
+  uint64_t a[];   /* nargs raw argument words, then the blob */
+} ji_rec;
+extern _Atomic int ji_log_armed;
+static inline int ji_log_on(void) {
+  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls_log_off;
+}
+JI_HIDDEN ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len);
+JI_HIDDEN void ji_log_commit(ji_rec *r);
+static inline unsigned char *ji_rec_blob(ji_rec *r) { return (unsigned char *)&r->a[r->nargs]; }
+JI_HIDDEN void ji_log_mark_incomplete(void);
+JI_HIDDEN int ji_is_device_ptr(const void *p);
+JI_HIDDEN void ji_alloc_track(void *p, size_t n);
+JI_HIDDEN void ji_alloc_untrack(void *p);
+/* Kernel parameter layout: number of params (or -1) and their sizes/offsets. */
+JI_HIDDEN int ji_kernel_params(const void *func, int is_kernel_handle, size_t *offs, size_t *sizes, int max);
+JI_HIDDEN void ji_kernel_map(cudaKernel_t k, const void *func);
+
+#endif
