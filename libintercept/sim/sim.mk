@@ -82,3 +82,28 @@ fetch-nccl-header:
 clean: clean-sim
 clean-sim:
 	rm -rf $(SIM_OUT) $(SIMT_OUT)
+
+# ---- test programs (tests/intercept/test_sim*.py run them) ----
+SIMT_SRC   := ../tests/intercept/sim_progs
+SIMT_PROGS := $(SIMT_OUT)/sim_cuda $(SIMT_OUT)/sim_nccl $(SIMT_OUT)/sim_dlopen $(SIMT_OUT)/libsimdl.so
+SIMT_DEPS  := $(SIMT_SRC)/simtest.h $(SIM_HDRS)
+SIMT_LINK  := -L$(SIM_OUT) -Wl,-rpath,$(SIM_OUT)
+
+test-progs: sim $(SIMT_PROGS)
+
+$(SIMT_OUT)/.dir:
+	mkdir -p $(SIMT_OUT) && touch $@
+
+$(SIMT_OUT)/sim_cuda: $(SIMT_SRC)/sim_cuda.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so $(SIMT_OUT)/.dir
+	$(CC) $(CFLAGS) -Iabi -o $@ $< $(SIMT_LINK) -lcudart
+
+$(SIMT_OUT)/sim_nccl: $(SIMT_SRC)/sim_nccl.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so $(SIM_OUT)/libnccl.so $(SIMT_OUT)/.dir
+	$(CC) $(CFLAGS) -Iabi -o $@ $< $(SIMT_LINK) -lnccl -lcudart
+
+# A library that needs libcudart.so.13, for the RTLD_LOCAL dlopen case: the
+# program below links neither cudart nor NCCL itself.
+$(SIMT_OUT)/libsimdl.so: $(SIMT_SRC)/simdl_lib.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so $(SIMT_OUT)/.dir
+	$(CC) $(CFLAGS) -Iabi -shared -o $@ $< $(SIMT_LINK) -lcudart
+
+$(SIMT_OUT)/sim_dlopen: $(SIMT_SRC)/sim_dlopen.c $(SIMT_OUT)/.dir
+	$(CC) $(CFLAGS) -o $@ $< -ldl
