@@ -105,7 +105,7 @@ static void mode_legacy(void) {
   CUDA_OK(launch_sleep_store(nonblocking, 500, flag, 12));
   double t = now_s();
   CUDA_OK(cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost));
-  CHECK(now_s() - t < 0.4 && host == 0, "legacy must not wait for non-blocking stream");
+  CHECK(host == 0, "legacy must not wait for non-blocking stream (%.2fs)", now_s() - t);
   CUDA_OK(cudaDeviceSynchronize());
   CHECK(*flag == 12, "device sync");
 

@@ -138,6 +138,26 @@ static void mode_coll(void) {
     CHECK(i8[0] == (int8_t)ei8, "op %d i8 %d != %d", o, i8[0], (int)(int8_t)ei8);
   }
 
+  /* Half-precision types: small integers are exact in both. */
+  _Float16 h[3] = {(_Float16)(g_rank + 1), (_Float16)2, (_Float16)(-g_rank)};
+  uint16_t bf[2];
+  float f1 = (float)(g_rank + 1), f2 = 0.5f * (float)g_rank;
+  uint32_t u1, u2;
+  memcpy(&u1, &f1, 4);
+  memcpy(&u2, &f2, 4);
+  bf[0] = (uint16_t)(u1 >> 16);
+  bf[1] = (uint16_t)(u2 >> 16);
+  NCCL_OK(ncclAllReduce(h, h, 3, ncclFloat16, ncclSum, comm, s));
+  NCCL_OK(ncclAllReduce(bf, bf, 2, ncclBfloat16, ncclMax, comm, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  CHECK((float)h[0] == (float)(g_n * (g_n + 1) / 2) && (float)h[1] == 2.0f * g_n &&
+            (float)h[2] == -(float)(g_n * (g_n - 1) / 2), "f16 sum");
+  u1 = (uint32_t)bf[0] << 16;
+  u2 = (uint32_t)bf[1] << 16;
+  memcpy(&f1, &u1, 4);
+  memcpy(&f2, &u2, 4);
+  CHECK(f1 == (float)g_n && f2 == 0.5f * (float)(g_n - 1), "bf16 max %g %g", f1, f2);
+
   /* Broadcast from the last rank (out of place) and Bcast in place. */
   size_t B = 70000;
   int32_t *bs = calloc(B, 4), *br = calloc(B, 4);
