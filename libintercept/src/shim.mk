@@ -30,7 +30,7 @@ $(BUILD)/asan/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
 # pytest runs them with LD_PRELOAD. realcudart links the toolkit's runtime.
 SHIM_PROG_SRCS := $(wildcard ../tests/intercept/shim_progs/*.c)
 SHIM_SIM := $(BUILD)/sim
-SHIM_PROG_CFLAGS := $(CFLAGS) -std=gnu11 -O1 -g -Wno-unused-parameter $(SHIM_CPPFLAGS)
+SHIM_PROG_CFLAGS := $(CFLAGS) -std=gnu11 -O1 -g -Wno-unused-parameter -Wno-format-truncation $(SHIM_CPPFLAGS)
 SHIM_PROG_SIM_LIBS = -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.13 -l:libnccl.so.2 -ldl -lpthread
 CUDA_LIB64 ?= /usr/local/cuda/lib64
 

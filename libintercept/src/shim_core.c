@@ -16,7 +16,24 @@
 #include "shim_internal.h"
 
 _Atomic(void *) ji_real_fns[JI_N_SYMS];
-_Atomic uint64_t ji_counters[JI_N_SYMS];
+JI_TLS ji_cblock *ji_tls_cnt;
+static _Atomic(ji_cblock *) cblocks;
+
+ji_cblock *ji_cblock_new(void) {
+  ji_cblock *b = calloc(1, sizeof *b);
+  if (!b) return NULL;
+  ji_cblock *head = atomic_load(&cblocks);
+  do b->next = head;
+  while (!atomic_compare_exchange_weak(&cblocks, &head, b));
+  ji_tls_cnt = b;
+  return b;
+}
+
+static uint64_t counter_sum(int id) {
+  uint64_t s = 0;
+  for (ji_cblock *b = atomic_load(&cblocks); b; b = b->next) s += atomic_load_explicit(&b->c[id], memory_order_relaxed);
+  return s;
+}
 
 const char *const ji_names[JI_N_SYMS] = {
 #define JI_NAME_(name, ret, params, args, lib, flags) #name,
@@ -33,7 +50,7 @@ const unsigned ji_flags[JI_N_SYMS] = {
     JI_TABLE(JI_FL_)
 #undef JI_FL_
 };
-_Static_assert(sizeof(ji_counters) / sizeof(ji_counters[0]) == sizeof(ji_names) / sizeof(ji_names[0]),
+_Static_assert(sizeof(((ji_cblock *)0)->c) / sizeof(uint64_t) == sizeof(ji_names) / sizeof(ji_names[0]),
                "one counter per table entry");
 
 JI_TLS int ji_tls_depth;
@@ -120,7 +137,7 @@ JI_API int64_t jitintercept_counter(const char *name) {
   if (!name) return -1;
   for (int i = 0; i < JI_N_SYMS; i++)
     if (strcmp(ji_names[i], name) == 0)
-      return (int64_t)atomic_load_explicit(&ji_counters[i], memory_order_relaxed);
+      return (int64_t)counter_sum(i);
   return -1;
 }
 
@@ -130,7 +147,7 @@ JI_API int jitintercept_dump_counters(const char *path) {
   fputc('{', f);
   for (int i = 0; i < JI_N_SYMS; i++)
     fprintf(f, "%s\"%s\": %" PRIu64, i ? ", " : "", ji_names[i],
-            (uint64_t)atomic_load_explicit(&ji_counters[i], memory_order_relaxed));
+            counter_sum(i));
   fputs("}\n", f);
   if (f != stderr) return fclose(f) == 0 ? 0 : -errno;
   fflush(f);

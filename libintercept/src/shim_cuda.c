@@ -54,7 +54,7 @@ static cudaError_t ev_create(int id, cudaEvent_t *event, unsigned flags) {
     return id == JI_ID_cudaEventCreate ? ((ji_fn_cudaEventCreate)fn)(event)
                                        : ((ji_fn_cudaEventCreateWithFlags)fn)(event, flags);
   }
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   cudaEvent_t phys = NULL;
   cudaError_t r = id == JI_ID_cudaEventCreate ? CALL(((ji_fn_cudaEventCreate)fn)(&phys))
                                               : CALL(((ji_fn_cudaEventCreateWithFlags)fn)(&phys, flags));
@@ -96,7 +96,7 @@ static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stre
   if (JI_UNLIKELY(ji_tls_depth))
     return wf ? ((ji_fn_cudaEventRecordWithFlags)fn)(event, stream, flags)
               : ((ji_fn_cudaEventRecord)fn)(event, stream);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   XLATE(pe, event);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
@@ -109,7 +109,9 @@ static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stre
        * later cudaStreamWaitEvent can tell whether it guards an NCCL stream. */
       atomic_store_explicit(&ve->rec_stream, (void *)stream, memory_order_relaxed);
       if (ji_is_nccl_stream(stream)) atomic_store_explicit(&ve->rec_t, ji_now(), memory_order_relaxed);
-      atomic_fetch_add_explicit(&ve->rec_seq, 1, memory_order_release);
+      /* Not an RMW: concurrent records of one event only need *a* change. */
+      atomic_store_explicit(&ve->rec_seq, atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) + 1,
+                            memory_order_release);
     }
     if (ji_log_on()) {
       ji_rec *rec = ji_log_reserve(id, 3, 0);
@@ -174,7 +176,7 @@ static cudaError_t st_create(int id, cudaStream_t *ps, unsigned flags, int prio)
        ? ((ji_fn_cudaStreamCreateWithFlags)fn)(p, flags)                         \
        : ((ji_fn_cudaStreamCreateWithPriority)fn)(p, flags, prio))
   if (ji_tls_depth || !ps) return ST_CALL(ps);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   cudaStream_t phys = NULL;
   cudaError_t r = CALL(ST_CALL(&phys));
 #undef ST_CALL
@@ -218,7 +220,7 @@ static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event
   ji_fn_cudaStreamWaitEvent fn = (ji_fn_cudaStreamWaitEvent)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
   if (JI_UNLIKELY(ji_tls_depth)) return fn(stream, event, flags);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   XLATE(ps, stream);
   XLATE(pe, event);
   cudaError_t r = CALL(fn(ps, pe, flags));
@@ -253,7 +255,7 @@ static cudaError_t st_sync(int id, cudaStream_t stream) {
   ji_fn_cudaStreamSynchronize fn = (ji_fn_cudaStreamSynchronize)ji_real(id);
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(stream);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
   ji_park_enter();
@@ -357,7 +359,7 @@ static cudaError_t mc_sync(int id, void *dst, const void *src, size_t count, enu
   ji_fn_cudaMemcpy fn = (ji_fn_cudaMemcpy)ji_real(id);
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(dst, src, count, kind);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
     cudaError_t r = memcpy_redirect(dst, src, count, kind);
     if (r != cudaErrorNotReady) return r;
@@ -380,7 +382,7 @@ static cudaError_t mc_async(int id, void *dst, const void *src, size_t count, en
   ji_fn_cudaMemcpyAsync fn = (ji_fn_cudaMemcpyAsync)ji_real(id);
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(dst, src, count, kind, stream);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   XLATE(ps, stream);
   if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
     cudaError_t r = memcpy_redirect(dst, src, count, kind);
@@ -446,7 +448,7 @@ static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, d
   (is_kernel ? ((ji_fn___cudaLaunchKernel)fn)((cudaKernel_t)f, g, b, args, shm, s) \
              : ((ji_fn_cudaLaunchKernel)fn)(f, g, b, args, shm, s))
   if (JI_UNLIKELY(ji_tls_depth)) return LCALL(stream);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
   cudaError_t r = CALL(LCALL(ps));

@@ -25,7 +25,6 @@ JI_TABLE(JI_FNTYPE_)
 #undef JI_FNTYPE_
 
 extern _Atomic(void *) ji_real_fns[JI_N_SYMS];
-extern _Atomic uint64_t ji_counters[JI_N_SYMS];
 extern const char *const ji_names[JI_N_SYMS];
 extern const unsigned ji_flags[JI_N_SYMS];
 
@@ -36,7 +35,25 @@ static inline void *ji_real(int id) {
   return JI_LIKELY(p != NULL) ? p : ji_resolve(id);
 }
 #define REAL(name) ((ji_fn_##name)ji_real(JI_ID_##name))
-#define COUNT(name) atomic_fetch_add_explicit(&ji_counters[JI_ID_##name], 1, memory_order_relaxed)
+
+/* Per-thread counter blocks: the owning thread increments without a locked
+ * instruction (relaxed load + store on memory only it writes); readers sum
+ * all blocks with relaxed loads. Blocks live until exit (few threads call
+ * CUDA), so a reader never sees freed memory. */
+typedef struct ji_cblock {
+  _Atomic uint64_t c[JI_N_SYMS];
+  struct ji_cblock *next;
+} ji_cblock;
+extern JI_TLS ji_cblock *ji_tls_cnt;
+JI_HIDDEN ji_cblock *ji_cblock_new(void);
+static inline void ji_count(int id) {
+  ji_cblock *b = ji_tls_cnt;
+  if (JI_UNLIKELY(!b)) b = ji_cblock_new();
+  if (JI_UNLIKELY(!b)) return;
+  atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
+                        memory_order_relaxed);
+}
+#define COUNT(name) ji_count(JI_ID_##name)
 
 /* Depth of shim frames on this thread: calls the runtime makes into other
  * hooked entry points while serving our call (the stand-in's libnccl calling

@@ -110,7 +110,7 @@ static ncclResult_t comm_init(int id, ncclComm_t *comm, int nranks, ncclUniqueId
   (id == JI_ID_ncclCommInitRank ? ((ji_fn_ncclCommInitRank)fn)(p, nranks, commId, rank) \
                                 : ((ji_fn_ncclCommInitRankConfig)fn)(p, nranks, commId, rank, config))
   if (ji_tls_depth || !comm) return CI_CALL(comm);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   ncclComm_t phys = NULL;
   ji_park_enter();
   ncclResult_t r = NCALL(CI_CALL(&phys));
@@ -163,7 +163,7 @@ static ncclResult_t comm_end(int id, ncclComm_t comm) {
   ji_fn_ncclCommDestroy fn = (ji_fn_ncclCommDestroy)ji_real(id);
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(comm);
-  atomic_fetch_add_explicit(&ji_counters[id], 1, memory_order_relaxed);
+  ji_count(id);
   NXLATE(pc, comm);
   ji_vh *v = ji_vh_of(comm);
   /* Out of the watchdog's poll set before the object goes away. */

@@ -32,7 +32,6 @@ static size_t log_cap;
 static _Atomic uint64_t log_tail;
 static _Atomic uint32_t log_epoch;
 static _Atomic uint64_t log_overflow;
-static _Atomic uint64_t log_records;
 static _Atomic int log_incomplete;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -82,7 +81,6 @@ ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
 void ji_log_commit(ji_rec *r) {
   size_t sz = (sizeof(ji_rec) + (size_t)r->nargs * 8 + r->blob_len + 7) & ~(size_t)7;
   atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)sz, memory_order_release);
-  atomic_fetch_add_explicit(&log_records, 1, memory_order_relaxed);
 }
 
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
@@ -95,12 +93,17 @@ JI_API void jitintercept_minibatch_begin(void) {
   atomic_fetch_add(&log_epoch, 1);
   atomic_store(&log_tail, 0);
   atomic_store(&log_overflow, 0);
-  atomic_store(&log_records, 0);
   atomic_store(&log_incomplete, 0);
 }
 
 JI_API uint64_t jitintercept_minibatch(void) { return atomic_load(&log_epoch); }
-JI_API uint64_t jitintercept_replay_records(void) { return atomic_load(&log_records); }
+static ji_rec *rec_next(uint64_t *off);
+/* Counted by a scan: a shared counter would cost every append a locked op. */
+JI_API uint64_t jitintercept_replay_records(void) {
+  uint64_t off = 0, n = 0;
+  while (rec_next(&off)) n++;
+  return n;
+}
 JI_API uint64_t jitintercept_replay_bytes(void) {
   uint64_t t = atomic_load(&log_tail);
   return t < log_cap ? t : log_cap;
@@ -131,7 +134,7 @@ JI_API int jitintercept_dump_replay_log(const char *path) {
   fprintf(f,
           "{\"minibatch\": %u, \"records\": %" PRIu64 ", \"bytes\": %" PRIu64 ", \"overflows\": %" PRIu64
           ", \"incomplete\": %s, \"cap\": %zu}\n",
-          atomic_load(&log_epoch), atomic_load(&log_records), jitintercept_replay_bytes(),
+          atomic_load(&log_epoch), jitintercept_replay_records(), jitintercept_replay_bytes(),
           atomic_load(&log_overflow), atomic_load(&log_incomplete) ? "true" : "false", log_cap);
   uint64_t off = 0;
   ji_rec *r;
