@@ -637,6 +637,7 @@ struct item {
   uint64_t off;  /* p2p stream offset in bytes */
   size_t done;   /* p2p bytes moved so far */
   int hang;      /* fault injection: never contribute */
+  int fail;      /* fault injection: fail asynchronously when run */
 };
 
 static uint64_t nchunks(size_t bytes) { return (bytes + CHUNK - 1) / CHUNK; }
@@ -768,6 +769,13 @@ static void batch_run(void *p) {
     struct item *it = &b->items[i];
     if (it->kind == K_SEND || it->kind == K_RECV) continue;
     if (!wait_ready(it->comm) || item_dead(it)) continue;
+    if (it->fail) {
+      /* Injected asynchronous failure (like a peer's connection dropping):
+       * the operation ends without contributing, the stream moves on. */
+      int ok = ncclSuccess;
+      atomic_compare_exchange_strong(&it->comm->async_err, &ok, ncclRemoteError);
+      continue;
+    }
     if (it->hang) {
       /* Injected hang: this rank never contributes; only an abort ends it. */
       WAIT_UNTIL(it->comm, 0);
@@ -787,6 +795,11 @@ static void batch_run(void *p) {
       struct item *it = &b->items[i];
       if (it->kind != K_SEND && it->kind != K_RECV) continue;
       if (!wait_ready(it->comm) || item_dead(it)) continue;
+      if (it->fail) {
+        int ok = ncclSuccess;
+        atomic_compare_exchange_strong(&it->comm->async_err, &ok, ncclRemoteError);
+        continue;
+      }
       if (it->done >= it->count * dtype_size(it->dtype)) continue;
       if (!wc) {
         wc = it->comm;
@@ -883,7 +896,9 @@ static ncclResult_t issue(struct item it) {
   /* Fault injection, counted per process over every operation issued. */
   long nth = atomic_fetch_add(&g_opcount, 1) + 1;
   long err_at = jitsim_env_long("JITSIM_NCCL_ERROR_AT", 0);
-  if (err_at > 0 && nth == err_at) {
+  if (err_at > 0 && nth == err_at && jitsim_env_long("JITSIM_NCCL_ERROR_ASYNC", 0)) {
+    it.fail = 1; /* enqueued; fails on the stream, see batch_run */
+  } else if (err_at > 0 && nth == err_at) {
     int ok = ncclSuccess;
     atomic_compare_exchange_strong(&c->async_err, &ok, ncclRemoteError);
     return fail(ncclSystemError, "injected NCCL error at operation %ld (JITSIM_NCCL_ERROR_AT)", nth);

@@ -89,6 +89,17 @@ def test_injected_nccl_error_then_reinit(ranks):
     assert "ERROR 2 ASYNC 6" in o1 and "REINIT OK" in o1
 
 
+def test_injected_async_nccl_error_then_reinit(ranks):
+    """JITSIM_NCCL_ERROR_ASYNC=1: the 2nd call succeeds, its stream work ends without contributing
+    and the async error becomes ncclRemoteError; the peer hangs until abort; re-init works."""
+    ranks.start(
+        "ncclerr", 2, lambda r: {"JITSIM_NCCL_ERROR_AT": "2", "JITSIM_NCCL_ERROR_ASYNC": "1"} if r == 1 else None
+    )
+    o0, o1 = ranks.wait()
+    assert "BLOCKED" in o0 and "REINIT OK" in o0
+    assert "ASYNC ERROR 6" in o1 and "REINIT OK" in o1
+
+
 def test_nonblocking_init_and_split(ranks):
     ranks.start("nonblocking", 4)
     assert all("PASS nonblocking" in o for o in ranks.wait())

@@ -319,7 +319,17 @@ static void mode_ncclerr(void) {
   float v = 1;
   NCCL_OK(ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s));
   CUDA_OK(cudaStreamSynchronize(s));
-  if (getenv("JITSIM_NCCL_ERROR_AT")) {
+  if (getenv("JITSIM_NCCL_ERROR_AT") && getenv("JITSIM_NCCL_ERROR_ASYNC")) {
+    /* Asynchronous flavour: the call succeeds, the stream does not hang, the
+     * error shows up in ncclCommGetAsyncError. */
+    NCCL_OK(ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    ncclResult_t ae;
+    NCCL_OK(ncclCommGetAsyncError(comm, &ae));
+    CHECK(ae == ncclRemoteError, "async error %d", (int)ae);
+    printf("ASYNC ERROR %d\n", (int)ae);
+    NCCL_OK(ncclCommAbort(comm));
+  } else if (getenv("JITSIM_NCCL_ERROR_AT")) {
     ncclResult_t r = ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s);
     CHECK(r == ncclSystemError, "injected error: call returned %d", (int)r);
     ncclResult_t ae;

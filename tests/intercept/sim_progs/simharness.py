@@ -54,8 +54,8 @@ class Ranks:
     def start(self, mode: str, nranks: int, env_of=None, only=None) -> list[subprocess.Popen]:
         for r in only if only is not None else range(nranks):
             env = {**os.environ, "JITSIM_JOB": self.job}
-            for k in ("JITSIM_HANG_AT", "JITSIM_HANG_RANK", "JITSIM_NCCL_ERROR_AT", "JITSIM_STICKY_ERROR_AT"):
-                env.pop(k, None)
+            for k in [k for k in env if k.startswith("JITSIM_") and k != "JITSIM_JOB"]:
+                env.pop(k)
             env.update((env_of(r) if env_of else None) or {})
             p = subprocess.Popen(
                 [str(PROGS / "sim_nccl"), mode, str(r), str(nranks), str(self.tmp)],
