@@ -34,7 +34,8 @@ JI_TABLE(JI_PROTO_)
   } while (0)
 
 static inline int in_trigger(void) {
-  return JI_UNLIKELY(ji_tls_trigger) && atomic_load_explicit(&ji_trigger_active, memory_order_relaxed);
+  return JI_UNLIKELY(ji_tls_trigger) && atomic_load_explicit(&ji_trigger_active, memory_order_relaxed) &&
+         ji_redirect_enabled;
 }
 
 static void log_words(int id, unsigned n, const uint64_t *w) {
@@ -348,7 +349,7 @@ static cudaError_t memcpy_redirect(void *dst, const void *src, size_t count, enu
   ji_fn_cudaMemcpyAsync ma = REAL(cudaMemcpyAsync);
   ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
   cudaStream_t priv = ji_private_stream();
-  if (!ma || !ss || !priv) return cudaErrorNotReady;
+  if (!ma || !ss || !priv || !ji_redirect_enabled) return cudaErrorNotReady;
   atomic_fetch_add_explicit(&ji_stats[JI_ST_REDIRECTS], 1, memory_order_relaxed);
   cudaError_t r = CALL(ma(dst, src, count, kind, priv));
   if (r == cudaSuccess) r = CALL(ss(priv));

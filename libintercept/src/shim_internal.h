@@ -132,6 +132,7 @@ JI_HIDDEN void ji_wd_group_end(int ok);
 JI_HIDDEN void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev);
 JI_HIDDEN void ji_wd_reset(void);
 extern _Atomic int ji_trigger_active;
+extern int ji_redirect_enabled;
 enum { JI_ST_REDIRECTS, JI_ST_TRIGGERS, JI_ST_GIL_SIGNALS, JI_ST_GIL_RELEASED, JI_ST_WATCHED,
        JI_ST_COMPLETED, JI_ST_OVERFLOW_TOTAL, JI_ST_N };
 extern _Atomic uint64_t ji_stats[JI_ST_N];

@@ -36,6 +36,7 @@
 #include "shim_internal.h"
 
 _Atomic int ji_trigger_active;
+int ji_redirect_enabled = 1;
 _Atomic uint64_t ji_stats[JI_ST_N];
 
 typedef struct wentry {
@@ -106,6 +107,9 @@ static void read_config(void) {
   const char *m = ji_getenv("JITCKPT_ON_HANG");
   cfg_on_hang = !m ? 0 : !strcmp(m, "exit") ? 1 : !strcmp(m, "abort") ? 2 : 0;
   cfg_exit_code = (int)env_d("JITCKPT_HANG_EXIT_CODE", 75);
+  /* 0 only for the negative control of the redirect test. */
+  const char *rd = ji_getenv("JITCKPT_REDIRECT");
+  ji_redirect_enabled = !(rd && !strcmp(rd, "0"));
 }
 
 static double cur_timeout(void) {

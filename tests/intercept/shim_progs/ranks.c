@@ -20,6 +20,16 @@
 
 #define N 1024
 
+/* PAUSE_ON_ERROR=1: a failing NCCL call parks the rank instead of exiting,
+ * like a framework that leaves error handling to its watchdog. */
+#define NCK(x)                                                \
+  do {                                                        \
+    int nrc_ = (int)(x);                                      \
+    if (nrc_ != 0 && getenv("PAUSE_ON_ERROR"))                \
+      for (;;) pause();                                       \
+    CK(nrc_);                                                 \
+  } while (0)
+
 static void k_fill(void **args) {
   float *buf = *(float **)args[0];
   int n = *(int *)args[1];
@@ -121,13 +131,13 @@ int main(int argc, char **argv) {
     if (jitter) usleep((useconds_t)(rand() % (jitter + 1)));
     CK(cudaEventRecordWithFlags(ev_c, cs, 0));
     CK(cudaStreamWaitEvent(ns, ev_c, 0));
-    CK(ncclGroupStart());
-    CK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, ns));
-    CK(ncclGroupEnd());
+    NCK(ncclGroupStart());
+    NCK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, ns));
+    NCK(ncclGroupEnd());
     CK(cudaEventRecord(ev_n, ns));
     CK(cudaStreamWaitEvent(cs, ev_n, 0));
     if (sync_every && it % sync_every == 0) {
-      CK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, cs));
+      NCK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, cs));
     }
     if (it % 2 == 0 || it == iters) CK(cudaStreamSynchronize(cs));
     if (it % 50 == 0 || it == iters) {
@@ -145,9 +155,12 @@ int main(int argc, char **argv) {
       progress(dir, rank, it);
     }
   }
-  printf("DONE rank=%d iters=%ld secs=%.3f record=%lld wait=%lld allreduce=%lld\n", rank, iters, now_s() - t0,
-         (long long)counter("cudaEventRecord"), (long long)counter("cudaStreamWaitEvent"),
-         (long long)counter("ncclAllReduce"));
+  int64_t (*stat)(const char *) = shim_jitintercept_stat();
+  printf("DONE rank=%d iters=%ld secs=%.3f record=%lld wait=%lld allreduce=%lld watched=%lld completed=%lld "
+         "triggers=%lld\n",
+         rank, iters, now_s() - t0, (long long)counter("cudaEventRecord"), (long long)counter("cudaStreamWaitEvent"),
+         (long long)counter("ncclAllReduce"), stat ? (long long)stat("watched") : -1LL,
+         stat ? (long long)stat("completed") : -1LL, stat ? (long long)stat("triggers") : -1LL);
   CK(ncclCommDestroy(comm));
   return 0;
 }

@@ -1,0 +1,143 @@
+"""cffi (ABI mode) binding to the LD_PRELOAD shim ``libjitintercept.so``.
+
+The shim must already be in the process (``LD_PRELOAD``): interposition only
+works for a library loaded before the CUDA runtime, so this module never
+loads it; it looks the control API up in the global namespace. Without the
+shim, ``loaded()`` is False, the read-only helpers return empty values and
+``set_hang_handler`` raises RuntimeError. This module must not import torch.
+
+The hang handler runs on the shim's watchdog thread. Before calling it the
+watchdog asks threads parked in a blocking CUDA/NCCL call to release the GIL
+(signal-based, see libintercept/README.md), so the handler runs even when the
+main thread is stuck holding the GIL. While it runs, cudaMemcpy and
+cudaMemcpyAsync go to a private stream, so saving device state cannot
+deadlock behind the hung collective.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any, Callable
+
+import cffi
+
+__all__ = [
+    "counters",
+    "dump_replay_log",
+    "loaded",
+    "minibatch_begin",
+    "replay",
+    "set_hang_handler",
+    "stat",
+]
+
+_CDEF = """
+typedef void (*jitintercept_handler_fn)(const char *event_json, void *user);
+void jitintercept_set_handler(jitintercept_handler_fn fn, void *user);
+int jitintercept_loaded(void);
+int64_t jitintercept_counter(const char *name);
+int jitintercept_counter_count(void);
+const char *jitintercept_counter_name(int index);
+void jitintercept_minibatch_begin(void);
+int jitintercept_dump_replay_log(const char *path);
+int jitintercept_replay(void);
+int64_t jitintercept_stat(const char *name);
+"""
+
+_ffi = cffi.FFI()
+_ffi.cdef(_CDEF)
+_lock = threading.Lock()
+_lib: Any = None
+_probed = False
+# The cffi callback object must outlive every call the watchdog may make.
+_callback: Any = None
+
+
+def _shim() -> Any:
+    global _lib, _probed
+    with _lock:
+        if not _probed:
+            _probed = True
+            lib = _ffi.dlopen(None)
+            try:
+                if lib.jitintercept_loaded() == 1:
+                    _lib = lib
+            except AttributeError:
+                _lib = None
+        return _lib
+
+
+def loaded() -> bool:
+    """True when libjitintercept.so is loaded in this process."""
+    return _shim() is not None
+
+
+def set_hang_handler(fn: Callable[[dict[str, Any]], None]) -> None:
+    """Registers ``fn(event)``, called on a hang or NCCL error.
+
+    ``event`` has at least "event" ("hang" or "error"), "t", "rank",
+    "waited_s" and "collective". After ``fn`` returns the shim applies
+    JITCKPT_ON_HANG (report / exit / abort); a handler that saves and exits
+    should call ``os._exit``.
+    """
+    global _callback
+    lib = _shim()
+    if lib is None:
+        raise RuntimeError("libjitintercept.so is not preloaded in this process")
+
+    def _on_event(event_json: Any, _user: Any) -> None:
+        fn(json.loads(_ffi.string(event_json).decode()))
+
+    def _on_error(exc_type: Any, exc: Any, tb: Any) -> None:
+        # Runs on the watchdog thread: nobody else would ever see the error.
+        sys.excepthook(exc_type, exc, tb)
+
+    cb = _ffi.callback("jitintercept_handler_fn", _on_event, onerror=_on_error)
+    with _lock:
+        _callback = cb
+    lib.jitintercept_set_handler(cb, _ffi.NULL)
+
+
+def minibatch_begin() -> None:
+    """Clears the replay log at the start of a minibatch (call from the step hook)."""
+    lib = _shim()
+    if lib is not None:
+        lib.jitintercept_minibatch_begin()
+
+
+def counters() -> dict[str, int]:
+    """Per-symbol call counts of every interposed CUDA/NCCL entry point."""
+    lib = _shim()
+    if lib is None:
+        return {}
+    out: dict[str, int] = {}
+    for i in range(lib.jitintercept_counter_count()):
+        name = _ffi.string(lib.jitintercept_counter_name(i)).decode()
+        out[name] = int(lib.jitintercept_counter(name.encode()))
+    return out
+
+
+def stat(name: str) -> int:
+    """Internal statistic ("triggers", "redirected_memcpy", "gil_released", ...); -1 if unknown."""
+    lib = _shim()
+    return -1 if lib is None else int(lib.jitintercept_stat(name.encode()))
+
+
+def dump_replay_log(path: str) -> None:
+    """Writes the current minibatch's replay log as JSON lines to ``path``."""
+    lib = _shim()
+    if lib is None:
+        raise RuntimeError("libjitintercept.so is not preloaded in this process")
+    rc = lib.jitintercept_dump_replay_log(str(path).encode())
+    if rc != 0:
+        raise OSError(-rc, f"cannot write replay log to {path}")
+
+
+def replay() -> int:
+    """Re-executes the current minibatch's log; 0 on success (see jitintercept.h)."""
+    lib = _shim()
+    if lib is None:
+        raise RuntimeError("libjitintercept.so is not preloaded in this process")
+    return int(lib.jitintercept_replay())

@@ -1,0 +1,120 @@
+"""Collective watchdog on the stand-in: hangs and NCCL errors are reported by
+every healthy rank within timeout + 1 s; a healthy jittered run never is."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "shim_progs"))
+import shimtest as st  # noqa: E402
+
+TIMEOUT = 1.5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _build() -> None:
+    st.build()
+
+
+def _start(job: st.Job, tmp: Path, nranks: int, per_rank: dict[int, dict[str, str]] | None = None, **extra: str):
+    procs = []
+    for r in range(nranks):
+        e = {"ITERS": "100000000", "JITTER_US": "50", **extra, **(per_rank or {}).get(r, {})}
+        e.setdefault("JITCKPT_EVENT_LOG", str(tmp / f"events.{r}"))
+        procs.append(job.spawn([str(st.PROGS / "ranks"), "train", str(r), str(nranks), str(tmp)], f"rank{r}", **e))
+    return procs
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_dead_or_stopped_rank_makes_every_healthy_rank_report(tmp_path: Path, sig: signal.Signals) -> None:
+    nranks, victim = 3, 1
+    with st.Job(tmp_path) as job:
+        procs = _start(job, tmp_path, nranks, JITCKPT_TIMEOUT=str(TIMEOUT), JITCKPT_ON_HANG="exit")
+        assert st.wait_for(lambda: all(st.progress(tmp_path, r) >= 200 for r in range(nranks)), 20), [
+            job.output(f"rank{r}") for r in range(nranks)
+        ]
+        t_kill = time.time()
+        os.kill(procs[victim].pid, sig)
+        healthy = [r for r in range(nranks) if r != victim]
+        for r in healthy:
+            rc = procs[r].wait(timeout=TIMEOUT + 10)
+            assert rc == 75, (r, rc, job.output(f"rank{r}"))
+        for r in healthy:
+            ev = st.events(tmp_path / f"events.{r}")
+            assert len(ev) == 1, ev
+            e = ev[0]
+            assert e["event"] == "hang" and e["rank"] == r and e["collective"].startswith("nccl")
+            assert e["waited_s"] >= TIMEOUT
+            # Detected within timeout + 1 s of the failure.
+            assert e["t"] - t_kill <= TIMEOUT + 1.0, (e, t_kill)
+        assert procs[victim].poll() is None or sig == signal.SIGKILL
+        # No event from the victim's shim (killed/stopped before any timeout).
+        assert st.events(tmp_path / f"events.{victim}") == []
+
+
+def test_injected_hang_is_reported_by_all_ranks_in_report_mode(tmp_path: Path) -> None:
+    """JITSIM_HANG_AT: rank 1's 300th NCCL op never completes. Report mode
+    logs one line per rank and leaves the processes running."""
+    with st.Job(tmp_path) as job:
+        procs = _start(job, tmp_path, 2, per_rank={1: {"JITSIM_HANG_AT": "300"}}, JITCKPT_TIMEOUT="1")
+        assert st.wait_for(lambda: all(st.events(tmp_path / f"events.{r}") for r in range(2)), 15), [
+            job.output(f"rank{r}") for r in range(2)
+        ]
+        time.sleep(0.3)
+        for r in range(2):
+            ev = st.events(tmp_path / f"events.{r}")
+            assert [e["event"] for e in ev] == ["hang"] and ev[0]["on_hang"] == "report"
+            assert procs[r].poll() is None  # report mode: still (hung) alive
+
+
+def test_nccl_async_error_triggers_error_event(tmp_path: Path) -> None:
+    """JITSIM_NCCL_ERROR_AT + ASYNC: rank 0's op ends without contributing and
+    its communicator's async error becomes ncclRemoteError (6): rank 0 reports
+    "error" from ncclCommGetAsyncError, rank 1 hangs on the missing peer."""
+    with st.Job(tmp_path) as job:
+        procs = _start(
+            job,
+            tmp_path,
+            2,
+            per_rank={0: {"JITSIM_NCCL_ERROR_AT": "200", "JITSIM_NCCL_ERROR_ASYNC": "1"}},
+            JITCKPT_TIMEOUT=str(TIMEOUT),
+            JITCKPT_ON_HANG="exit",
+            PAUSE_ON_ERROR="1",
+        )
+        for r in range(2):
+            assert procs[r].wait(timeout=15) == 75, job.output(f"rank{r}")
+        e0 = st.events(tmp_path / "events.0")
+        e1 = st.events(tmp_path / "events.1")
+        assert e0[0]["event"] == "error" and e0[0]["code"] == 6 and e0[0]["source"] == "ncclCommGetAsyncError"
+        assert e1[0]["event"] == "hang"
+
+
+@pytest.mark.slow
+def test_no_false_hang_in_10000_jittered_collectives(tmp_path: Path) -> None:
+    """Adaptive timeout (JITCKPT_TIMEOUT unset, 1 s floor) and random host
+    jitter before every collective: no event, all collectives completed."""
+    with st.Job(tmp_path) as job:
+        procs = _start(
+            job, tmp_path, 2, ITERS="8000", JITTER_US="400", SYNC_EVERY="4", JITCKPT_TIMEOUT_FLOOR="1",
+            JITCKPT_POLL_MS="5", JITCKPT_ON_HANG="exit",
+        )
+        for r in range(2):
+            assert procs[r].wait(timeout=55) == 0, job.output(f"rank{r}")
+        for r in range(2):
+            out = job.output(f"rank{r}")
+            m = re.search(r"allreduce=(\d+) watched=(\d+) completed=(\d+) triggers=(\d+)", out)
+            assert m, out
+            allreduce, watched, completed, triggers = map(int, m.groups())
+            assert allreduce == 10000 and triggers == 0
+            # Own events alone are 10000 (one per outermost group / ungrouped
+            # op); application events re-recorded before a poll go stale and
+            # are dropped rather than completed. The last few may be unpolled.
+            assert watched >= 10000 and completed >= 10000 - 8, out
+            assert st.events(tmp_path / f"events.{r}") == []
