@@ -55,7 +55,8 @@ def test_allreduce_bit_identical_across_runs(tmp_path):
 
 def test_sigstopped_rank_blocks_peers_until_abort(ranks):
     """A SIGSTOPped rank: the peers' event after the collective stays cudaErrorNotReady (checked
-    for 1.2 s), then ncclCommAbort from another thread unblocks the stream."""
+    for 1.2 s) and a cudaMemcpy behind it on the legacy stream stays blocked; ncclCommAbort from
+    another thread unblocks both."""
     procs = ranks.start("stop", 3)
     outs = ranks.wait(procs[:2])
     H.wait_stopped(procs[2].pid)

@@ -249,9 +249,19 @@ static void *abort_thread(void *p) {
   return NULL;
 }
 
+static _Atomic int g_memcpy_done;
+static void *memcpy_thread(void *p) {
+  int src = 3, dst = 0;
+  (void)p;
+  CUDA_OK(cudaMemcpy(&dst, &src, sizeof dst, cudaMemcpyDeviceToHost));
+  g_memcpy_done = 1;
+  return NULL;
+}
+
 /* Issue an allreduce, record an event; the event must stay not-ready for
- * `hold_ms`; then another thread aborts the communicator and the stream must
- * move on. */
+ * `hold_ms`, and so must a cudaMemcpy queued behind it on the legacy default
+ * stream; then another thread aborts the communicator and everything moves
+ * on. */
 static void expect_blocked_then_abort(ncclComm_t comm, cudaStream_t s, int hold_ms) {
   float v = 1;
   ncclResult_t r = ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s);
@@ -259,9 +269,14 @@ static void expect_blocked_then_abort(ncclComm_t comm, cudaStream_t s, int hold_
   cudaEvent_t ev;
   CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   CUDA_OK(cudaEventRecord(ev, s));
+  /* What ProcessGroupNCCL does: the compute stream waits for the collective. */
+  CUDA_OK(cudaStreamWaitEvent(cudaStreamLegacy, ev, 0));
+  pthread_t mc;
+  CHECK(pthread_create(&mc, NULL, memcpy_thread, NULL) == 0, "thread");
   double t0 = now_s();
   while (now_s() - t0 < hold_ms / 1000.0) {
     CHECK(cudaEventQuery(ev) == cudaErrorNotReady, "collective must stay blocked");
+    CHECK(!g_memcpy_done, "cudaMemcpy must block behind the hung collective");
     sleep_ms(50);
   }
   printf("BLOCKED %.2fs\n", now_s() - t0);
@@ -271,6 +286,8 @@ static void expect_blocked_then_abort(ncclComm_t comm, cudaStream_t s, int hold_
   t0 = now_s();
   CUDA_OK(cudaEventSynchronize(ev));
   pthread_join(th, NULL);
+  pthread_join(mc, NULL);
+  CHECK(g_memcpy_done, "cudaMemcpy finished after the abort");
   /* The stream keeps working after the abort. */
   int *flag;
   CUDA_OK(cudaMalloc((void **)&flag, sizeof(int)));
