@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cffi
 

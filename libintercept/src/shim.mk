@@ -23,7 +23,7 @@ $(BUILD)/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
 $(BUILD)/asan/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(SHIM_ASAN_FLAGS) $(SHIM_CFLAGS) $(SHIM_CPPFLAGS) -o $@ $(SHIM_SRCS) \
-	  $(SHIM_LDFLAGS) -shared-libasan
+	  $(SHIM_LDFLAGS)
 
 # Test programs. Each links against the stand-in runtime (real SONAMEs, so the
 # references are versioned `cudaX@libcudart.so.13`) and never against the shim;

@@ -3,7 +3,6 @@ NVIDIA's real libcudart, and the Python binding."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 import subprocess
@@ -40,12 +39,20 @@ def test_table_exports_and_counters_agree() -> None:
     nm = subprocess.run(["nm", "-D", "--defined-only", str(st.SHIM)], capture_output=True, text=True, check=True)
     exported = {line.split()[-1].split("@")[0] for line in nm.stdout.splitlines()}
     assert not set(names) - exported
-    lib = ctypes.CDLL(str(st.SHIM))  # not preloaded: only the control API is used
-    lib.jitintercept_counter_name.restype = ctypes.c_char_p
-    assert lib.jitintercept_counter_count() == len(names)
-    assert [lib.jitintercept_counter_name(i).decode() for i in range(len(names))] == names
-    lib.jitintercept_counter.restype = ctypes.c_int64
-    assert lib.jitintercept_counter(b"nope") == -1
+    # Queried in a child with the shim preloaded (an ASan build cannot be
+    # dlopen'ed into this uninstrumented interpreter).
+    code = (
+        "import ctypes, json\n"
+        "lib = ctypes.CDLL(None)\n"
+        "lib.jitintercept_counter_name.restype = ctypes.c_char_p\n"
+        "lib.jitintercept_counter.restype = ctypes.c_int64\n"
+        "n = lib.jitintercept_counter_count()\n"
+        "names = [lib.jitintercept_counter_name(i).decode() for i in range(n)]\n"
+        "print(json.dumps({'names': names, 'unknown': lib.jitintercept_counter(b'nope')}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=st.env(), capture_output=True, text=True, check=True)
+    res = json.loads(out.stdout)
+    assert res["names"] == names and res["unknown"] == -1
 
 
 def test_cuda_hooks_carry_both_libcudart_version_nodes() -> None:
@@ -63,8 +70,10 @@ def test_versioned_13_references_are_interposed(tmp_path: Path) -> None:
     refs = [x for x in _dynsyms(st.PROGS / "ranks") if "cudaEventRecord" in x]
     assert refs and all("(libcudart.so.13)" in x for x in refs)  # the program's references are versioned
     with st.Job(tmp_path) as job:
-        ps = [job.spawn([str(st.PROGS / "ranks"), "train", str(r), "2", str(tmp_path)], f"r{r}", ITERS="20")
-              for r in range(2)]
+        ps = [
+            job.spawn([str(st.PROGS / "ranks"), "train", str(r), "2", str(tmp_path)], f"r{r}", ITERS="20")
+            for r in range(2)
+        ]
         for r, p in enumerate(ps):
             assert p.wait(timeout=20) == 0, job.output(f"r{r}")
         assert "record=20 wait=40 allreduce=25" in job.output("r0")
@@ -83,8 +92,13 @@ def test_versioned_12_references_are_interposed() -> None:
 def test_runtime_loaded_rtld_local_is_found_via_link_map() -> None:
     """liblocal.so (and its libcudart) dlopen'ed RTLD_LOCAL: RTLD_NEXT cannot
     see the runtime; the dl_iterate_phdr + RTLD_NOLOAD fallback must."""
-    out = subprocess.run([str(st.PROGS / "localload"), str(st.PROGS / "liblocal.so")], env=st.env(),
-                         capture_output=True, text=True, timeout=20)
+    out = subprocess.run(
+        [str(st.PROGS / "localload"), str(st.PROGS / "liblocal.so")],
+        env=st.env(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "LOCAL rc=0 record=1 query=1 malloc=1 stream=1" in out.stdout
 
@@ -95,8 +109,9 @@ def test_real_libcudart_calls_are_intercepted_and_errors_unchanged(tmp_path: Pat
     assert any("(libcudart.so.13)" in x for x in _dynsyms(prog))
     plain = subprocess.run([str(prog)], env=st.env(preload=False), capture_output=True, text=True, timeout=30)
     dump = tmp_path / "counters.json"
-    shim = subprocess.run([str(prog)], env=st.env(JITCKPT_COUNTERS_DUMP=str(dump)), capture_output=True,
-                          text=True, timeout=30)
+    shim = subprocess.run(
+        [str(prog)], env=st.env(JITCKPT_COUNTERS_DUMP=str(dump)), capture_output=True, text=True, timeout=30
+    )
     assert plain.returncode == shim.returncode == 0
     assert shim.stdout == plain.stdout  # same status codes, call by call
     codes = dict(line.split() for line in plain.stdout.splitlines())
@@ -115,7 +130,8 @@ def test_python_binding(tmp_path: Path) -> None:
         "m.minibatch_begin()\n"
         "c = m.counters()\n"
         "m.dump_replay_log(sys.argv[2])\n"
-        "print(json.dumps({'loaded': m.loaded(), 'n': len(c), 'keys': sorted(c)[:3], 'triggers': m.stat('triggers')}))\n"
+        "res = {'loaded': m.loaded(), 'n': len(c), 'keys': sorted(c)[:3], 'triggers': m.stat('triggers')}\n"
+        "print(json.dumps(res))\n"
     )
     args = [sys.executable, "-c", code, str(st.REPO / "jitckpt" / "intercept.py"), str(tmp_path / "log")]
     res = json.loads(subprocess.run(args, env=st.env(), capture_output=True, text=True, check=True).stdout)
@@ -124,6 +140,11 @@ def test_python_binding(tmp_path: Path) -> None:
     assert head["records"] == 0 and head["minibatch"] >= 1
     # Without the shim: loaded() is False and counters() is empty.
     code2 = code.replace("m.dump_replay_log(sys.argv[2])\n", "")
-    out = subprocess.run([sys.executable, "-c", code2, args[3], args[4]], env=st.env(preload=False),
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code2, args[3], args[4]],
+        env=st.env(preload=False),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out) == {"loaded": False, "n": 0, "keys": [], "triggers": -1}

@@ -74,8 +74,14 @@ def _run(tmp: Path, **extra: str) -> tuple[st.Job, object, Path]:
     out = tmp / "result.json"
     job.spawn([str(st.PROGS / "ranks"), "initonly", "1", "2", str(tmp)], "peer")
     p = job.spawn(
-        [sys.executable, str(script), str(st.REPO / "jitckpt" / "intercept.py"), str(st.PROGS / "blocker.so"),
-         str(out), str(tmp / "nccl.id")],
+        [
+            sys.executable,
+            str(script),
+            str(st.REPO / "jitckpt" / "intercept.py"),
+            str(st.PROGS / "blocker.so"),
+            str(out),
+            str(tmp / "nccl.id"),
+        ],
         "child",
         JITCKPT_TIMEOUT="1",
         **extra,
@@ -113,8 +119,12 @@ def test_memcpy_redirect_in_c_handler(tmp_path: Path, redirect: str) -> None:
     hung stream itself. With JITCKPT_REDIRECT=0 (negative control) it hangs."""
     with st.Job(tmp_path) as job:
         job.spawn([str(st.PROGS / "ranks"), "initonly", "1", "2", str(tmp_path)], "peer")
-        p = job.spawn([str(st.PROGS / "ranks"), "redirect", "0", "2", str(tmp_path)], "r0",
-                      JITCKPT_TIMEOUT="1", JITCKPT_REDIRECT=redirect)
+        p = job.spawn(
+            [str(st.PROGS / "ranks"), "redirect", "0", "2", str(tmp_path)],
+            "r0",
+            JITCKPT_TIMEOUT="1",
+            JITCKPT_REDIRECT=redirect,
+        )
         if redirect == "1":
             assert p.wait(timeout=15) == 0, job.output("r0")
             assert "REDIRECT ok1=1 ok2=1 redirected=2" in job.output("r0")

@@ -102,8 +102,15 @@ def test_no_false_hang_in_10000_jittered_collectives(tmp_path: Path) -> None:
     jitter before every collective: no event, all collectives completed."""
     with st.Job(tmp_path) as job:
         procs = _start(
-            job, tmp_path, 2, ITERS="8000", JITTER_US="400", SYNC_EVERY="4", JITCKPT_TIMEOUT_FLOOR="1",
-            JITCKPT_POLL_MS="5", JITCKPT_ON_HANG="exit",
+            job,
+            tmp_path,
+            2,
+            ITERS="8000",
+            JITTER_US="400",
+            SYNC_EVERY="4",
+            JITCKPT_TIMEOUT_FLOOR="1",
+            JITCKPT_POLL_MS="5",
+            JITCKPT_ON_HANG="exit",
         )
         for r in range(2):
             assert procs[r].wait(timeout=55) == 0, job.output(f"rank{r}")

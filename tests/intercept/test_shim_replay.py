@@ -21,7 +21,7 @@ def _build() -> None:
 def _sums(out: str) -> dict[str, str]:
     m = re.search(r"SUMS before=(\w+) scribbled=(\w+) after=(\w+) rc=(-?\d+) records=(\d+) overflows=(\d+)", out)
     assert m, out
-    return dict(zip(["before", "scribbled", "after", "rc", "records", "overflows"], m.groups()))
+    return dict(zip(["before", "scribbled", "after", "rc", "records", "overflows"], m.groups(), strict=True))
 
 
 def test_replay_reproduces_device_buffers_bit_for_bit(tmp_path: Path) -> None:
@@ -46,8 +46,17 @@ def test_replay_reproduces_device_buffers_bit_for_bit(tmp_path: Path) -> None:
     head, recs = lines[0], lines[1:]
     assert head["records"] == len(recs) and head["overflows"] == 0 and not head["incomplete"]
     ops = [r["op"] for r in recs]
-    for op in ["cudaMemcpyAsync", "cudaMemcpy", "cudaLaunchKernel", "__cudaLaunchKernel", "cudaEventRecord",
-               "cudaStreamWaitEvent", "ncclGroupStart", "ncclAllReduce", "ncclGroupEnd"]:
+    for op in [
+        "cudaMemcpyAsync",
+        "cudaMemcpy",
+        "cudaLaunchKernel",
+        "__cudaLaunchKernel",
+        "cudaEventRecord",
+        "cudaStreamWaitEvent",
+        "ncclGroupStart",
+        "ncclAllReduce",
+        "ncclGroupEnd",
+    ]:
         assert op in ops, ops
     h2d = recs[ops.index("cudaMemcpyAsync")]
     assert h2d["blob_len"] == 4096 * 4  # H2D source captured by value

@@ -18,9 +18,9 @@ def _build():
     H.build()
 
 
-def run(mode: str, **env: str) -> str:
+def run(mode: str, prog: str = "sim_cuda", **env: str) -> str:
     e = {k: v for k, v in os.environ.items() if not k.startswith("JITSIM_")}
-    p = subprocess.run([str(H.PROGS / "sim_cuda"), mode], capture_output=True, text=True, timeout=30, env={**e, **env})
+    p = subprocess.run([str(H.PROGS / prog), mode], capture_output=True, text=True, timeout=30, env={**e, **env})
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"PASS {mode}" in p.stdout
     return p.stdout
@@ -44,6 +44,12 @@ def test_per_thread_stream_and_cuda13_launch_path():
 
 def test_kernel_param_info_and_errors():
     run("params")
+
+
+@pytest.mark.parametrize("mode", ["order", "legacy", "ptsz", "params"])
+def test_cuda12_runtime(mode):
+    """The same behaviour through libcudart.so.12 (no __cudaLaunchKernel there)."""
+    run(mode, prog="sim_cuda12")
 
 
 def test_device_count_env():
