@@ -85,7 +85,7 @@ clean-sim:
 
 # ---- test programs (tests/intercept/test_sim*.py run them) ----
 SIMT_SRC   := ../tests/intercept/sim_progs
-SIMT_PROGS := $(SIMT_OUT)/sim_cuda $(SIMT_OUT)/sim_nccl $(SIMT_OUT)/sim_dlopen $(SIMT_OUT)/libsimdl.so
+SIMT_PROGS := $(SIMT_OUT)/sim_cuda $(SIMT_OUT)/sim_cuda12 $(SIMT_OUT)/sim_nccl $(SIMT_OUT)/sim_dlopen $(SIMT_OUT)/libsimdl.so
 SIMT_DEPS  := $(SIMT_SRC)/simtest.h $(SIM_HDRS)
 SIMT_LINK  := -L$(SIM_OUT) -Wl,-rpath,$(SIM_OUT)
 
@@ -96,6 +96,10 @@ $(SIMT_OUT)/.dir:
 
 $(SIMT_OUT)/sim_cuda: $(SIMT_SRC)/sim_cuda.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so $(SIMT_OUT)/.dir
 	$(CC) $(CFLAGS) -Iabi -o $@ $< $(SIMT_LINK) -lcudart
+
+# The same checks against the CUDA 12 runtime (`cudaX@libcudart.so.12`).
+$(SIMT_OUT)/sim_cuda12: $(SIMT_SRC)/sim_cuda.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so.12 $(SIMT_OUT)/.dir
+	$(CC) $(CFLAGS) -DSIM_CUDART12 -Iabi -o $@ $< $(SIMT_LINK) -l:libcudart.so.12
 
 $(SIMT_OUT)/sim_nccl: $(SIMT_SRC)/sim_nccl.c $(SIMT_DEPS) $(SIM_OUT)/libcudart.so $(SIM_OUT)/libnccl.so $(SIMT_OUT)/.dir
 	$(CC) $(CFLAGS) -Iabi -o $@ $< $(SIMT_LINK) -lnccl -lcudart
