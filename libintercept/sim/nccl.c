@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <signal.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -104,16 +105,28 @@ struct ncclComm {
   uint64_t issue_step;
   uint64_t send_off[MAX_RANKS], recv_off[MAX_RANKS];
   uint64_t nsplits;
+  int detect_dead;                 /* JITSIM_DEAD_PEER_ERROR */
+  char reason[128];                /* why async_err was set, for messages */
+  _Atomic uint64_t last_peer_check;
 };
 
 /* ---- errors ---- */
 
-static __thread char t_last_error[256];
+/* Process-wide, like NCCL's ncclLastError (it may be set on a stream's
+ * worker thread and read on the caller's). */
+static char g_last_error[256];
+static pthread_mutex_t g_err_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void set_last_error(const char *fmt, va_list ap) {
+  pthread_mutex_lock(&g_err_mu);
+  vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+  pthread_mutex_unlock(&g_err_mu);
+}
 
 static ncclResult_t fail(ncclResult_t r, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(t_last_error, sizeof t_last_error, fmt, ap);
+  set_last_error(fmt, ap);
   va_end(ap);
   return r;
 }
@@ -135,8 +148,8 @@ API const char *pncclGetErrorString(ncclResult_t r) {
 NCCL_ALIAS(ncclGetErrorString)
 
 API const char *pncclGetLastError(ncclComm_t comm) {
-  (void)comm; /* like NCCL: the last error of the calling thread */
-  return t_last_error;
+  (void)comm; /* like NCCL: one string for the process */
+  return g_last_error;
 }
 NCCL_ALIAS(ncclGetLastError)
 
@@ -161,14 +174,42 @@ static void bump(struct ncclComm *c) {
   syscall(SYS_futex, &c->hdr->futex, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Evaluates to 0 once cond holds, -1 if the communicator was aborted. */
+/* Opt-in (JITSIM_DEAD_PEER_ERROR=1): a peer whose process no longer exists
+ * fails the communicator with ncclRemoteError, the way NCCL's socket
+ * transport reports a closed connection. Off by default: over NVLink/shared
+ * memory a dead peer just hangs its partners. A stopped peer is never
+ * "dead". Checked at most every 200 ms. */
+static int peer_gone(struct ncclComm *c) {
+  if (!c->detect_dead) return 0;
+  if (atomic_load(&c->async_err) == ncclRemoteError) return 1;
+  uint64_t now = jitsim_now_ns(), last = atomic_load(&c->last_peer_check);
+  if (now - last < 200000000ull || !atomic_compare_exchange_strong(&c->last_peer_check, &last, now))
+    return 0;
+  for (int r = 0; r < c->nranks; r++) {
+    int32_t pid = atomic_load(&c->hdr->pids[r]);
+    if (r == c->rank || pid <= 0) continue;
+    if (kill((pid_t)pid, 0) && errno == ESRCH) {
+      int ok = ncclSuccess;
+      /* reason is written before async_err is published, read after. */
+      if (atomic_load(&c->async_err) == ncclSuccess)
+        snprintf(c->reason, sizeof c->reason, "rank %d (pid %d) is gone", r, (int)pid);
+      atomic_compare_exchange_strong(&c->async_err, &ok, ncclRemoteError);
+      fail(ncclRemoteError, "rank %d (pid %d) is gone", r, (int)pid);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Evaluates to 0 once cond holds, -1 if the communicator was aborted (or,
+ * with JITSIM_DEAD_PEER_ERROR, a peer process vanished). */
 #define WAIT_UNTIL(c, cond)                                  \
   ({                                                         \
     int r_ = 0;                                              \
     for (;;) {                                               \
       uint32_t f_ = atomic_load(&(c)->hdr->futex);           \
       if (cond) break;                                       \
-      if (atomic_load(&(c)->aborted)) {                      \
+      if (atomic_load(&(c)->aborted) || peer_gone(c)) {      \
         r_ = -1;                                             \
         break;                                               \
       }                                                      \
@@ -219,6 +260,7 @@ static struct ncclComm *comm_new(const char *name, int nranks, int rank) {
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   c->refs = 1;
+  c->detect_dead = jitsim_env_long("JITSIM_DEAD_PEER_ERROR", 0) > 0;
   atomic_store(&c->async_err, ncclInProgress);
   return c;
 }
@@ -812,7 +854,7 @@ static void batch_run(void *p) {
     if (!moved) {
       /* Sleep on the first pending item's communicator; other communicators
        * in the group are re-polled at least every 200 ms. */
-      if (atomic_load(&wc->aborted)) {
+      if (atomic_load(&wc->aborted) || peer_gone(wc)) {
         mark_failed(wc);
         continue;
       }
@@ -880,7 +922,8 @@ static ncclResult_t issue(struct item it) {
   if (atomic_load(&c->aborted)) return fail(ncclInvalidUsage, "communicator was aborted");
   int err = atomic_load(&c->async_err);
   if (err != ncclSuccess && err != ncclInProgress)
-    return fail((ncclResult_t)err, "communicator has an asynchronous error");
+    return fail((ncclResult_t)err, "communicator has an asynchronous error: %s",
+                c->reason[0] ? c->reason : pncclGetErrorString((ncclResult_t)err));
   size_t es = dtype_size(it.dtype);
   if (!es) return fail(ncclInvalidArgument, "invalid datatype %d", (int)it.dtype);
   int red = it.kind == K_ALLREDUCE || it.kind == K_REDUCE || it.kind == K_REDSCATTER;

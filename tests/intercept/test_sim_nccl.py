@@ -73,6 +73,18 @@ def test_sigkilled_rank_blocks_peers_until_abort(ranks):
     assert "BLOCKED" in out and "PASS stop" in out
 
 
+def test_dead_peer_error_opt_in(ranks):
+    """JITSIM_DEAD_PEER_ERROR=1: once the stopped rank is SIGKILLed, the survivors' collective
+    fails by itself with ncclRemoteError (socket-transport behaviour) instead of hanging."""
+    procs = ranks.start("deadpeer", 3, lambda r: {"JITSIM_DEAD_PEER_ERROR": "1"})
+    H.wait_stopped(procs[2].pid)
+    time.sleep(0.5)
+    procs[2].kill()
+    procs[2].wait(5)
+    for o in ranks.wait(procs[:2]):
+        assert "REMOTE ERROR" in o and "is gone" in o and "PASS deadpeer" in o
+
+
 def test_injected_hang(ranks):
     """JITSIM_HANG_AT=2 JITSIM_HANG_RANK=1 for the whole job: rank 1 never contributes to its
     2nd collective; every rank's stream blocks until it aborts."""

@@ -316,6 +316,37 @@ static void mode_stop(void) {
   expect_blocked_then_abort(comm, s, 1200);
 }
 
+/* JITSIM_DEAD_PEER_ERROR=1: the last rank stops itself and the test kills
+ * it; the survivors' collective then fails with ncclRemoteError on its own. */
+static void mode_deadpeer(void) {
+  ncclComm_t comm = init_comm("dead");
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  float v = 1;
+  NCCL_OK(ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  if (g_rank == g_n - 1) {
+    printf("STOPPING\n");
+    raise(SIGSTOP);
+    pause();
+  }
+  NCCL_OK(ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s));
+  cudaEvent_t ev;
+  CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  CUDA_OK(cudaEventRecord(ev, s));
+  double t0 = now_s();
+  while (cudaEventQuery(ev) == cudaErrorNotReady) {
+    CHECK(now_s() - t0 < 20, "collective never failed");
+    sleep_ms(20);
+  }
+  ncclResult_t ae;
+  NCCL_OK(ncclCommGetAsyncError(comm, &ae));
+  CHECK(ae == ncclRemoteError, "async error %d", (int)ae);
+  CHECK(ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, s) == ncclRemoteError, "comm stays failed");
+  printf("REMOTE ERROR after %.2fs: %s\n", now_s() - t0, ncclGetLastError(comm));
+  NCCL_OK(ncclCommAbort(comm));
+}
+
 /* JITSIM_HANG_AT / JITSIM_HANG_RANK set by the test for all ranks. */
 static void mode_hang(void) {
   ncclComm_t comm = init_comm("hang");
@@ -437,6 +468,7 @@ int main(int argc, char **argv) {
   if (!strcmp(m, "coll")) mode_coll();
   else if (!strcmp(m, "stop")) mode_stop();
   else if (!strcmp(m, "hang")) mode_hang();
+  else if (!strcmp(m, "deadpeer")) mode_deadpeer();
   else if (!strcmp(m, "ncclerr")) mode_ncclerr();
   else if (!strcmp(m, "nonblocking")) mode_nonblocking();
   else {
