@@ -280,7 +280,9 @@ static ncclResult_t comm_attach(struct ncclComm *c) {
   void *m = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
   if (m == MAP_FAILED) return fail(ncclSystemError, "mmap(%s): %s", c->name, strerror(errno));
+  pthread_mutex_lock(&c->mu); /* ncclCommAbort may look at hdr from another thread */
   c->hdr = m;
+  pthread_mutex_unlock(&c->mu);
   c->map_size = sz;
   c->slots = (char *)m + HDR_BYTES;
   c->rings = c->slots + (size_t)c->nranks * CHUNK;
@@ -428,8 +430,8 @@ API ncclResult_t pncclCommAbort(ncclComm_t comm) {
   if (!comm) return ncclSuccess;
   if (!comm_valid(comm)) return fail(ncclInvalidArgument, "invalid communicator");
   atomic_store(&comm->aborted, 1);
-  if (comm->hdr) bump(comm);
   pthread_mutex_lock(&comm->mu);
+  if (comm->hdr) bump(comm); /* wake its waiters (peers just re-check) */
   pthread_cond_broadcast(&comm->cv);
   /* Return only once no operation of this communicator is still executing:
    * afterwards the streams it blocked make progress again. */
