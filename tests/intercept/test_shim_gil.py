@@ -1,8 +1,8 @@
 """GIL-safe trigger (paper §3.2) and memcpy redirect during the trigger.
 
-The Python test: the main thread calls, through ctypes.PyDLL (which keeps the
-GIL), a function that blocks in cudaStreamSynchronize on a stream stuck behind
-an all-reduce the peer never joins. The Python hang handler must still run
+The Python test: the main thread calls cudaStreamSynchronize through
+ctypes.PyDLL (which keeps the GIL held) on a stream stuck behind an
+all-reduce the peer never joins. The Python hang handler must still run
 (on the watchdog thread), copy device memory out while the trigger is active,
 and exit. With the signal-based GIL release disabled it cannot run at all,
 which shows the release is what makes it work.
@@ -55,9 +55,11 @@ CHILD = textwrap.dedent(
         os._exit(0)
 
     intercept.set_hang_handler(handler)
+    assert blk.blk_enqueue_hung() == 0
+    rt = ctypes.PyDLL(None)  # global namespace (the shim's hook), GIL kept held
     print("blocking", flush=True)
-    rc = blk.blk_hang()  # never returns
-    print("blk_hang returned", rc, flush=True)
+    rc = rt.cudaStreamSynchronize(ctypes.c_void_p(blk.blk_stream()))  # never returns
+    print("cudaStreamSynchronize returned", rc, flush=True)
     """
 )
 

@@ -1,8 +1,9 @@
 /*
  * blocker.so - loaded by the GIL test through ctypes.PyDLL, which keeps the
- * GIL held across calls. blk_hang() enqueues an all-reduce the peer never
- * joins and synchronizes on it: the calling (main) thread then holds the GIL
- * inside a blocking call that never returns.
+ * GIL held across calls. blk_enqueue_hung() enqueues an all-reduce the peer
+ * never joins; the test then calls cudaStreamSynchronize on that stream
+ * through ctypes.PyDLL(None) (the shim's symbol): the main thread holds the
+ * GIL inside a blocking call that never returns.
  */
 #include "common.h"
 
@@ -28,7 +29,4 @@ void *blk_stream(void) { return stream; }
 const void *blk_pattern(void) { return pattern; }
 int blk_nbytes(void) { return N; }
 
-int blk_hang(void) {
-  if (ncclAllReduce(coll, coll, N, ncclFloat, ncclSum, comm, stream)) return 5;
-  return cudaStreamSynchronize(stream);
-}
+int blk_enqueue_hung(void) { return ncclAllReduce(coll, coll, N, ncclFloat, ncclSum, comm, stream); }
