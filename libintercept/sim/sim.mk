@@ -60,7 +60,9 @@ check-abi: check-abi-own
 	  set -e; mkdir -p $(SIM_OUT)/check; \
 	  echo "check-abi: CUDA runtime vs $(CUDA_INCLUDE)"; \
 	  $(CC) $(CFLAGS) -Iabi -I$(CUDA_INCLUDE) -c -o $(SIM_OUT)/check/cuda.o abi/check_cuda_abi.c; \
-	  $(CXX) -Wall -Wextra -Werror -Wno-unused-variable -Iabi -I$(CUDA_INCLUDE) -fsyntax-only abi/check_cuda_abi_cxx.cc; \
+	  if command -v $(CXX) >/dev/null; then \
+	    $(CXX) -Wall -Wextra -Werror -Iabi -I$(CUDA_INCLUDE) -fsyntax-only abi/check_cuda_abi_cxx.cc; \
+	  else echo "check-abi: SKIPPED __cuda* launch prototypes (no $(CXX))"; fi; \
 	else echo "check-abi: SKIPPED CUDA (no $(CUDA_INCLUDE)/cuda_runtime_api.h)"; fi
 	@if [ -n "$(NCCL_INCLUDE)" ] && [ -f $(CUDA_INCLUDE)/cuda_runtime.h ]; then \
 	  set -e; mkdir -p $(SIM_OUT)/check; \
