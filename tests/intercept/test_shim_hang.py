@@ -125,3 +125,50 @@ def test_no_false_hang_in_10000_jittered_collectives(tmp_path: Path) -> None:
             # are dropped rather than completed. The last few may be unpolled.
             assert watched >= 10000 and completed >= 10000 - 8, out
             assert st.events(tmp_path / f"events.{r}") == []
+
+
+def test_sticky_cuda_error_triggers_error_event(tmp_path: Path) -> None:
+    """JITSIM_STICKY_ERROR_AT + ASYNC: a kernel faults on its stream
+    (cudaErrorIllegalAddress, 700); the watchdog's event query returns it."""
+    with st.Job(tmp_path) as job:
+        procs = _start(
+            job,
+            tmp_path,
+            2,
+            per_rank={1: {"JITSIM_STICKY_ERROR_AT": "150", "JITSIM_STICKY_ASYNC": "1"}},
+            JITCKPT_TIMEOUT="2",
+            JITCKPT_ON_HANG="exit",
+            PAUSE_ON_ERROR="1",
+        )
+        for r in range(2):
+            assert procs[r].wait(timeout=15) == 75, job.output(f"rank{r}")
+        e1 = st.events(tmp_path / "events.1")[0]
+        assert e1["event"] == "error" and e1["code"] == 700 and e1["source"] == "cudaEventQuery"
+        assert st.events(tmp_path / "events.0")[0]["event"] == "hang"  # its peer stopped contributing
+
+
+def test_adaptive_timeout_follows_longest_collective(tmp_path: Path) -> None:
+    """JITCKPT_TIMEOUT unset: timeout = max(floor, MULT x longest collective).
+    Up to 150 ms of jitter before each collective makes the longest wait
+    ~0.15 s, so the timeout rises above the 0.2 s floor; a killed rank is then
+    reported within that timeout + 1 s."""
+    with st.Job(tmp_path) as job:
+        procs = _start(
+            job,
+            tmp_path,
+            2,
+            JITTER_US="150000",
+            JITCKPT_TIMEOUT_FLOOR="0.2",
+            JITCKPT_TIMEOUT_MULT="4",
+            JITCKPT_ON_HANG="exit",
+        )
+        assert st.wait_for(lambda: all(st.progress(tmp_path, r) >= 0 for r in range(2)), 10)
+        time.sleep(2.5)  # ~30 collectives
+        t_kill = time.time()
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=15) == 75, job.output("rank0")
+        e = st.events(tmp_path / "events.0")[0]
+        assert e["event"] == "hang"
+        assert 0.3 < e["timeout_s"] < 2.5, e  # derived from observed collectives, not the floor
+        assert e["waited_s"] >= e["timeout_s"]
+        assert e["t"] - t_kill <= e["timeout_s"] + 1.0

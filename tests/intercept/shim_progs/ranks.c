@@ -20,8 +20,9 @@
 
 #define N 1024
 
-/* PAUSE_ON_ERROR=1: a failing NCCL call parks the rank instead of exiting,
- * like a framework that leaves error handling to its watchdog. */
+/* PAUSE_ON_ERROR=1: a failing CUDA/NCCL call in the training loop parks the
+ * rank instead of exiting, like a framework that leaves error handling to
+ * its watchdog. */
 #define NCK(x)                                                \
   do {                                                        \
     int nrc_ = (int)(x);                                      \
@@ -127,22 +128,22 @@ int main(int argc, char **argv) {
   for (long it = 1; it <= iters; it++) {
     float v = (float)(it % 13 + rank);
     void *args[3] = {&buf, &n, &v};
-    CK(cudaLaunchKernel((const void *)k_fill, ONE, ONE, args, 0, cs));
+    NCK(cudaLaunchKernel((const void *)k_fill, ONE, ONE, args, 0, cs));
     if (jitter) usleep((useconds_t)(rand() % (jitter + 1)));
-    CK(cudaEventRecordWithFlags(ev_c, cs, 0));
-    CK(cudaStreamWaitEvent(ns, ev_c, 0));
+    NCK(cudaEventRecordWithFlags(ev_c, cs, 0));
+    NCK(cudaStreamWaitEvent(ns, ev_c, 0));
     NCK(ncclGroupStart());
     NCK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, ns));
     NCK(ncclGroupEnd());
-    CK(cudaEventRecord(ev_n, ns));
-    CK(cudaStreamWaitEvent(cs, ev_n, 0));
+    NCK(cudaEventRecord(ev_n, ns));
+    NCK(cudaStreamWaitEvent(cs, ev_n, 0));
     if (sync_every && it % sync_every == 0) {
       NCK(ncclAllReduce(buf, buf, N, ncclFloat, ncclSum, comm, cs));
     }
-    if (it % 2 == 0 || it == iters) CK(cudaStreamSynchronize(cs));
+    if (it % 2 == 0 || it == iters) NCK(cudaStreamSynchronize(cs));
     if (it % 50 == 0 || it == iters) {
-      CK(cudaMemcpyAsync(host, buf, N * sizeof(float), cudaMemcpyDeviceToHost, cs));
-      CK(cudaStreamSynchronize(cs));
+      NCK(cudaMemcpyAsync(host, buf, N * sizeof(float), cudaMemcpyDeviceToHost, cs));
+      NCK(cudaStreamSynchronize(cs));
       /* sum over ranks of (it%13 + r), times nranks again if the sync all-reduce ran */
       float s = 0;
       for (int r = 0; r < nranks; r++) s += (float)(it % 13 + r);
