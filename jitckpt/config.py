@@ -46,7 +46,7 @@ def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
         rank=int(env.get("RANK", "0")),
         world_size=int(env.get("WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        restore_step=int(restore) if restore.strip() else None,
+        restore_step=int(restore) if restore.strip().isdigit() else None,
         store_addr=addr,
         fault_spec=env.get("JITCKPT_FAULT", ""),
     )

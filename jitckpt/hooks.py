@@ -92,10 +92,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
         if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
             setattr(dist, name, _guard(rt, fn))
 
-    timeout = timedelta(seconds=rt.cfg.timeout_s)
-    c10d.default_pg_timeout = timeout
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-        c10d.default_pg_nccl_timeout = timeout
+    rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=rt.cfg.timeout_s))
 
     prev_hook = sys.excepthook
 
@@ -131,3 +128,23 @@ def _isolate_attempts(attempt: int) -> None:
     env_handler.__jitckpt_wrapped__ = orig
     # register_rendezvous_handler refuses to replace a scheme; the table is the API it fills
     rdzv._rendezvous_handlers["env"] = env_handler
+
+
+def _arm_timeouts(timeout: timedelta) -> None:
+    """Shorten every process group's timeout to the JIT timeout once training
+    starts, so a hung collective raises after ``--jit-timeout`` seconds.
+
+    Not before: start-up collectives (DDP's parameter verification, barriers
+    around data preparation) legitimately wait for slow peers, and a short
+    timeout there would turn skew into false failures.
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    for pg in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(timeout, pg)
+        except (ValueError, AssertionError, RuntimeError):
+            pass  # a group this rank is not part of, or a backend without timeouts

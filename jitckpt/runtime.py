@@ -23,9 +23,9 @@ is held only for those few reads/writes, never across save_fn or I/O. Whoever
 sets ``saving`` owns the save and ends the process with ``os._exit``; any other
 thread that then needs the lock-protected state (the main thread entering the
 optimizer step, a second trigger) parks forever on ``_halt`` so parameters are
-never written while they are being saved. No Python code runs in a signal
-handler except ``_on_signal`` (Python-level, main thread, between bytecodes),
-which only calls ``request_save``.
+never written while they are being saved. The Python-level SIGTERM handler
+is empty on purpose (see ``_on_signal``); the C-level handler only writes the
+wakeup byte, which is async-signal-safe.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class Runtime:
         self._resumed_reported = False
         self._counted = True
         self.reporter = None
+        self.on_training_start: Callable[[], None] | None = None
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.restart_count,
                                          announce=self._announce_fault)
 
@@ -119,7 +120,14 @@ class Runtime:
 
     # -- phase hooks (main thread) -----------------------------------------
 
+    def _training_started(self) -> None:
+        if self.on_training_start is not None:
+            fn, self.on_training_start = self.on_training_start, None
+            fn()
+
     def on_forward(self) -> None:
+        if self.phase is Phase.INIT:
+            self._training_started()
         if self.deferred is not None:
             self._save_deferred()
         if self.phase is not Phase.FWD:
@@ -128,6 +136,8 @@ class Runtime:
         self.injector.maybe_fire("forward", self.steps_done)
 
     def on_backward(self, tensors) -> None:
+        if self.phase is Phase.INIT:
+            self._training_started()
         if self.deferred is not None:
             self._save_deferred()
         with self._lock:
@@ -296,8 +306,13 @@ class Runtime:
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(r,), name="jitckpt-watcher", daemon=True).start()
 
-    def _on_signal(self, signum, frame) -> None:
-        self.request_save("sigterm")
+    @staticmethod
+    def _on_signal(signum, frame) -> None:
+        # Deliberately empty. It only replaces the default action (terminate);
+        # the watcher thread acts on the wakeup byte. Doing the work here would
+        # run in the main thread between two bytecodes, possibly while that
+        # thread holds _lock (not reentrant): a self-deadlock.
+        pass
 
     def _watch(self, fd: int) -> None:
         while True:

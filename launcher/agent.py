@@ -206,7 +206,7 @@ class JitAgent(LocalElasticAgent):
             self._poll(wg)
         # savers that published are exiting on their own; the rest (stopped,
         # hung, still saving an unneeded replica) are killed now
-        exit_by = time.monotonic() + 0.5
+        exit_by = time.monotonic() + 2.0
         while any(handlers[r].proc.poll() is None for r in f.saved if r in handlers) and time.monotonic() < exit_by:
             time.sleep(0.01)
         for r, h in handlers.items():
@@ -256,8 +256,9 @@ class JitAgent(LocalElasticAgent):
         failure = {
             "job_id": self._jit.job_id,
             "restart_count": restart_count,
-            "failed_ranks": sorted(r for r, c in self._exited.items() if c not in (0, EXIT_SAVED))
-            + sorted(f.killed if f else []),
+            "failed_ranks": sorted(
+                ({r for r, c in self._exited.items() if c not in (0, EXIT_SAVED)} | set(f.killed if f else []))
+                - set(f.saved if f else [])),
             "reasons": {str(k): v for k, v in (f.reasons if f else {}).items()},
             "restore_step": f.restore_step if f else None,
             "hosts": [os.uname().nodename],

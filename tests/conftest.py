@@ -1,0 +1,89 @@
+"""Shared helpers: running jitrun / torchrun jobs as real process trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "demo_train.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str
+    jit_dir: Path
+    out: Path
+
+    def events(self) -> list[dict]:
+        p = self.jit_dir / "events.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+    def of(self, name: str) -> list[dict]:
+        return [e for e in self.events() if e["event"] == name]
+
+
+def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 180, cwd: Path | None = None
+             ) -> subprocess.CompletedProcess:
+    """Run cmd in its own session; on timeout kill that session (our processes only)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True, cwd=cwd)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeout_s: float = 3,
+           max_restarts: int = 3, extra: list[str] | None = None, train_args: list[str] | None = None,
+           env: dict | None = None, jit_dir: Path | None = None) -> Job:
+    jit_dir = jit_dir or tmp / "jit"
+    out = tmp / "final.pt"
+    cmd = [sys.executable, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), "--jit-timeout", str(timeout_s), "--jit-dir", str(jit_dir),
+           *(extra or []), str(TRAIN), "--steps", str(steps), "--out", str(out), *(train_args or [])]
+    e = {"JITCKPT_FAULT": fault} if fault else {}
+    cp = run_tree(cmd, env={**e, **(env or {})})
+    return Job(cp.returncode, cp.stdout, jit_dir, out)
+
+
+def torchrun_reference(tmp: Path, nproc: int, steps: int) -> Path:
+    out = tmp / f"reference-{nproc}-{steps}.pt"
+    cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), str(TRAIN), "--steps", str(steps), "--out", str(out)])
+    assert cp.returncode == 0, cp.stdout[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Final states of failure-free plain-torchrun runs, computed once per (nproc, steps)."""
+    cache: dict[tuple[int, int], Path] = {}
+    base = tmp_path_factory.mktemp("reference")
+
+    def get(nproc: int, steps: int = 16) -> Path:
+        if (nproc, steps) not in cache:
+            cache[(nproc, steps)] = torchrun_reference(base, nproc, steps)
+        return cache[(nproc, steps)]
+
+    return get
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    from compare_state import diff_states
+
+    assert b.exists(), f"{b} was not written"
+    n, diffs = diff_states(str(a), str(b))
+    assert n > 10 and not diffs, diffs[:10]

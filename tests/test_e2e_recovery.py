@@ -1,0 +1,93 @@
+"""End-to-end recovery on real torch DDP over gloo, under jitrun.
+
+Every run is compared bit for bit with a failure-free plain-torchrun run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_same_state, jitrun
+
+STEPS = 16
+FAULT_STEP = 6
+KINDS = ["sigkill", "sigstop", "exception", "hang", "exit"]
+PHASES = ["forward", "backward", "allreduce", "optimizer"]
+
+
+def _check_recovered(job, reference, nproc: int, failing: int, kind: str, phase: str) -> None:
+    assert job.returncode == 0, job.output[-5000:]
+    assert_same_state(reference(nproc, STEPS), job.out)
+    rec = job.of("recovery")
+    assert len(rec) == 1, job.events()
+    assert rec[0]["redone_minibatches"] <= 1, rec
+    # during the optimizer step the replicas run on to the start of the next minibatch
+    expected = FAULT_STEP + 1 if phase == "optimizer" else FAULT_STEP
+    assert rec[0]["restore_step"] == expected, rec
+    saved = job.of("checkpoint_saved")
+    assert saved and all(e["rank"] != failing for e in saved), saved
+    assert {e["step"] for e in saved} == {expected}
+    if kind in ("sigstop", "hang"):
+        killed = job.of("ranks_killed")
+        assert killed and failing in killed[0]["ranks"], job.events()
+        # killed as soon as a shard-complete checkpoint exists, not after a grace period
+        assert killed[0]["t"] - min(e["t"] for e in saved) < 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_fault_matrix(tmp_path, reference, nproc, kind, phase):
+    failing = 1 if nproc == 2 else 0  # covers the store-hosting-node's rank 0 failing too
+    job = jitrun(tmp_path, nproc=nproc, steps=STEPS,
+                 fault=f"rank={failing},step={FAULT_STEP},phase={phase},kind={kind}")
+    _check_recovered(job, reference, nproc, failing, kind, phase)
+
+
+def test_killed_rank_quick(tmp_path, reference):
+    """The one matrix cell kept out of the slow marker, for `make test-fast`."""
+    job = jitrun(tmp_path, nproc=2, steps=STEPS, fault=f"rank=1,step={FAULT_STEP},phase=backward,kind=sigkill")
+    _check_recovered(job, reference, 2, 1, "sigkill", "backward")
+
+
+def test_two_consecutive_failures(tmp_path, reference):
+    fault = "rank=1,step=4,phase=backward,kind=sigkill;rank=0,step=10,phase=allreduce,kind=sigstop,attempt=1"
+    job = jitrun(tmp_path, nproc=2, steps=STEPS, fault=fault)
+    assert job.returncode == 0, job.output[-5000:]
+    assert_same_state(reference(2, STEPS), job.out)
+    rec = job.of("recovery")
+    assert [r["restore_step"] for r in rec] == [4, 10], rec
+    assert all(r["redone_minibatches"] <= 1 for r in rec)
+
+
+def test_failure_during_save_uses_other_replica(tmp_path, reference):
+    """Rank 2 dies; rank 0 dies inside its JIT save (after save_fn, before the
+    manifest); the restart must use rank 1's replica."""
+    fault = "rank=2,step=5,phase=backward,kind=sigkill;rank=0,phase=save,kind=exit"
+    job = jitrun(tmp_path, nproc=3, steps=STEPS, fault=fault)
+    assert job.returncode == 0, job.output[-5000:]
+    assert_same_state(reference(3, STEPS), job.out)
+    saved = job.of("checkpoint_saved")
+    assert [e["rank"] for e in saved] == [1], saved
+    shard = job.jit_dir / "ckpt" / "step-5" / "shard-0"
+    assert not (shard / "rank-0").exists()  # only an unpublished staging dir may remain
+    assert "resumed from " + str(shard / "rank-1") in job.output
+
+
+def test_exception_inside_save_fn_reports_and_other_replica_used(tmp_path, reference):
+    fault = "rank=2,step=5,phase=forward,kind=sigkill;rank=1,phase=save,kind=exception"
+    job = jitrun(tmp_path, nproc=3, steps=STEPS, fault=fault)
+    assert job.returncode == 0, job.output[-5000:]
+    assert_same_state(reference(3, STEPS), job.out)
+    failed = job.of("checkpoint_failed")
+    assert [e["rank"] for e in failed] == [1] and "InjectedFault" in failed[0]["error"]
+    assert [e["rank"] for e in job.of("checkpoint_saved")] == [0]
+
+
+def test_no_restarts_left_fails_like_torchrun(tmp_path):
+    job = jitrun(tmp_path, nproc=2, steps=STEPS, max_restarts=0,
+                 fault=f"rank=1,step={FAULT_STEP},phase=backward,kind=sigkill")
+    assert job.returncode != 0
+    # the survivor still left a checkpoint for a later resubmission of the job
+    assert job.of("checkpoint_saved")
