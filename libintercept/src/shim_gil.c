@@ -141,7 +141,6 @@ void ji_park_exit(void) {
 }
 
 static struct sigaction old_sa;
-static int sig_installed;
 
 static void gil_handler(int sig, siginfo_t *si, void *uc) {
   if (!si || si->si_code != SI_QUEUE || si->si_value.sival_int != JI_COOKIE || si->si_pid != getpid()) {
@@ -186,14 +185,18 @@ int ji_gil_release_parked(double wait_s) {
   int signo = env ? atoi(env) : SIGUSR1;
   if (signo <= 0 || signo >= NSIG) return 0;
   if (!py_resolve() || !py.is_initialized()) return 0;
-  if (!sig_installed) {
+  /* (Re)install at every trigger: the application (Python's signal module)
+   * may have replaced our disposition since the last one. */
+  struct sigaction cur;
+  if (sigaction(signo, NULL, &cur) != 0) return 0;
+  if (!(cur.sa_flags & SA_SIGINFO) || cur.sa_sigaction != gil_handler) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = gil_handler;
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    if (sigaction(signo, &sa, &old_sa) != 0) return 0;
-    sig_installed = 1;
+    old_sa = cur;
+    if (sigaction(signo, &sa, NULL) != 0) return 0;
   }
   uint64_t base = atomic_load(&sig_acks);
   int sent = 0;

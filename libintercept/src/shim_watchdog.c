@@ -472,8 +472,12 @@ static void *wd_main(void *arg) {
 }
 
 static void atfork_child(void) {
-  /* The watchdog thread does not exist in a forked child. */
+  /* The watchdog thread does not exist in a forked child, and the parent's
+   * pending entries and communicators are not the child's to watch. */
   pthread_mutex_init(&wd_mu, NULL);
+  wl_head = NULL;
+  atomic_store(&wl_pending, 0);
+  ncomms = 0;
   atomic_store(&wd_started, 0);
 }
 

@@ -50,7 +50,9 @@ def test_table_exports_and_counters_agree() -> None:
         "names = [lib.jitintercept_counter_name(i).decode() for i in range(n)]\n"
         "print(json.dumps({'names': names, 'unknown': lib.jitintercept_counter(b'nope')}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=st.env(), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=st.env(leaks=False), capture_output=True, text=True, check=True
+    )
     res = json.loads(out.stdout)
     assert res["names"] == names and res["unknown"] == -1
 
@@ -134,7 +136,7 @@ def test_python_binding(tmp_path: Path) -> None:
         "print(json.dumps(res))\n"
     )
     args = [sys.executable, "-c", code, str(st.REPO / "jitckpt" / "intercept.py"), str(tmp_path / "log")]
-    res = json.loads(subprocess.run(args, env=st.env(), capture_output=True, text=True, check=True).stdout)
+    res = json.loads(subprocess.run(args, env=st.env(leaks=False), capture_output=True, text=True, check=True).stdout)
     assert res["loaded"] and res["n"] == len(_table()) and res["triggers"] == 0
     head = json.loads((tmp_path / "log").read_text().splitlines()[0])
     assert head["records"] == 0 and head["minibatch"] >= 1

@@ -163,5 +163,11 @@ int main(int argc, char **argv) {
          (long long)counter("ncclAllReduce"), stat ? (long long)stat("watched") : -1LL,
          stat ? (long long)stat("completed") : -1LL, stat ? (long long)stat("triggers") : -1LL);
   CK(ncclCommDestroy(comm));
+  CK(cudaEventDestroy(ev_c));
+  CK(cudaEventDestroy(ev_n));
+  CK(cudaStreamDestroy(cs));
+  CK(cudaStreamDestroy(ns));
+  CK(cudaFree(buf));
+  free(host);
   return 0;
 }
