@@ -231,7 +231,9 @@ static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event
       void *rs = atomic_load_explicit(&ve->rec_stream, memory_order_relaxed);
       /* Paper Fig. 3: an event on an NCCL stream that another stream waits on
        * guards the collective(s) before it: watch it. */
-      if (rs != (void *)stream && ji_is_nccl_stream((cudaStream_t)rs)) ji_wd_stream_wait(stream, ve);
+      if (rs != (void *)stream && atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) &&
+          ji_is_nccl_stream((cudaStream_t)rs))
+        ji_wd_stream_wait(stream, ve);
     }
     if (ji_log_on()) {
       ji_rec *rec = ji_log_reserve(id, 3, 0);

@@ -206,12 +206,33 @@ void ji_alloc_untrack(void *ptr) {
   pthread_mutex_unlock(&alloc_mu);
 }
 
+/* Memory the registry does not know (allocated before the shim, by
+ * cudaMallocAsync, or through the driver's cuMemMap as PyTorch's expandable
+ * segments do) is classified by the runtime when it can tell: reading device
+ * memory from the host to capture it would fault on a real GPU. */
+struct ji_ptr_attr { int type; int device; void *dev; void *host; long reserved[8]; };
+typedef cudaError_t (*ptr_attr_fn)(struct ji_ptr_attr *, const void *);
+
 int ji_is_device_ptr(const void *ptr) {
   pthread_mutex_lock(&alloc_mu);
   size_t i = alloc_lb((uintptr_t)ptr);
   int in = i > 0 && (uintptr_t)ptr < allocs[i - 1].p + allocs[i - 1].n;
   pthread_mutex_unlock(&alloc_mu);
-  return in;
+  if (in) return 1;
+  static _Atomic(ptr_attr_fn) attr;
+  static _Atomic int resolved;
+  if (!atomic_load(&resolved)) {
+    atomic_store(&attr, (ptr_attr_fn)ji_sym_in_lib(JI_CUDART, "cudaPointerGetAttributes"));
+    atomic_store(&resolved, 1);
+  }
+  ptr_attr_fn f = atomic_load(&attr);
+  if (!f) return 0;
+  struct ji_ptr_attr a;
+  memset(&a, 0, sizeof a);
+  ji_tls_depth++;
+  cudaError_t r = f(&a, ptr);
+  ji_tls_depth--;
+  return r == cudaSuccess && a.type == 2; /* cudaMemoryTypeDevice; managed memory is host-readable */
 }
 
 /* ---------------- kernel parameter layouts ----------------
