@@ -172,3 +172,18 @@ def test_adaptive_timeout_follows_longest_collective(tmp_path: Path) -> None:
         assert 0.3 < e["timeout_s"] < 2.5, e  # derived from observed collectives, not the floor
         assert e["waited_s"] >= e["timeout_s"]
         assert e["t"] - t_kill <= e["timeout_s"] + 1.0
+
+
+def test_abort_mode_unblocks_the_application(tmp_path: Path) -> None:
+    """JITCKPT_ON_HANG=abort: after reporting, the shim aborts the
+    communicators; the blocked calls return and the application sees an NCCL
+    error instead of hanging forever."""
+    with st.Job(tmp_path) as job:
+        procs = _start(job, tmp_path, 2, JITCKPT_TIMEOUT="1", JITCKPT_ON_HANG="abort")
+        assert st.wait_for(lambda: all(st.progress(tmp_path, r) >= 100 for r in range(2)), 20)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        rc = procs[0].wait(timeout=10)
+        assert rc == 3, job.output("rank0")  # the test program's exit code for a failed call
+        assert re.search(r"-> [1-9]", job.output("rank0"))
+        ev = st.events(tmp_path / "events.0")
+        assert [e["event"] for e in ev] == ["hang"] and ev[0]["on_hang"] == "abort"
