@@ -118,6 +118,8 @@ def test_real_libcudart_calls_are_intercepted_and_errors_unchanged(tmp_path: Pat
     assert shim.stdout == plain.stdout  # same status codes, call by call
     codes = dict(line.split() for line in plain.stdout.splitlines())
     assert codes["cudaMalloc"] != "0"  # no device here: a real error came back
+    assert "COUNTERS malloc=1 record=1 launch=1" in shim.stderr  # jitintercept_counter() via dlsym
+    assert "COUNTERS malloc=-1" in plain.stderr
     counts = json.loads(dump.read_text())
     for name in codes:
         assert counts[name] == 1, name
