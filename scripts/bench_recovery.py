@@ -328,7 +328,7 @@ def jit_records(results: list[Result], target_s: float) -> str:
             lines.append(f"  {r.name}: no recovery record ({r.error or 'events.jsonl without recovery'})")
             continue
         ok = "OK" if e["failure_to_resumed_s"] < target_s else "OVER TARGET"
-        lines.append(f"  {r.name:<12} {r.fault:<45} failure->resumed {e['failure_to_resumed_s']:6.2f}s "
+        lines.append(f"  {r.name:<12} {r.fault or '':<45} failure->resumed {e['failure_to_resumed_s']:6.2f}s "
                      f"(detection {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
                      f"restart->resumed {e['restart_to_resumed_s']:.2f}s) redone {e['redone_minibatches']} "
                      f"[{ok}: < {target_s:.0f}s]")
