@@ -9,6 +9,7 @@ SHIM_CPPFLAGS := -Iabi -Iinclude -Isrc
 SHIM_CFLAGS := -std=gnu11 -fvisibility=hidden -ftls-model=initial-exec
 SHIM_LDFLAGS := -shared -Wl,--version-script=src/shim.map -Wl,-z,defs -Wl,-z,now -ldl -lpthread
 SHIM_TESTS := $(BUILD)/shim-tests
+, := ,
 SHIM_ASAN_FLAGS := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
 
 .PHONY: shim asan shim-test-progs clean-shim
@@ -35,7 +36,9 @@ SHIM_PROG_SIM_LIBS = -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.13 -l:
 CUDA_LIB64 ?= /usr/local/cuda/lib64
 
 SHIM_PROGS := $(SHIM_TESTS)/ranks $(SHIM_TESTS)/replay $(SHIM_TESTS)/vhandles $(SHIM_TESTS)/bench \
-	$(SHIM_TESTS)/blocker.so $(SHIM_TESTS)/localload $(SHIM_TESTS)/liblocal.so $(SHIM_TESTS)/v12
+	$(SHIM_TESTS)/blocker.so $(SHIM_TESTS)/localload $(SHIM_TESTS)/liblocal.so $(SHIM_TESTS)/v12 \
+	$(SHIM_TESTS)/v13 $(SHIM_TESTS)/variants/unversioned/libjitintercept.so \
+	$(SHIM_TESTS)/variants/v13only/libjitintercept.so
 shim-test-progs: sim $(SHIM_PROGS) $(if $(wildcard $(CUDA_LIB64)/libcudart.so.13),$(SHIM_TESTS)/realcudart)
 
 $(SHIM_TESTS)/%: ../tests/intercept/shim_progs/%.c ../tests/intercept/shim_progs/common.h
@@ -59,6 +62,20 @@ $(SHIM_TESTS)/localload: ../tests/intercept/shim_progs/localload.c
 $(SHIM_TESTS)/v12: ../tests/intercept/shim_progs/v12.c ../tests/intercept/shim_progs/common.h
 	@mkdir -p $(dir $@)
 	$(CC) $(SHIM_PROG_CFLAGS) -o $@ $< -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.12 -ldl -lpthread
+
+# Same source linked against libcudart.so.13: `cudaX@libcudart.so.13` references.
+$(SHIM_TESTS)/v13: ../tests/intercept/shim_progs/v12.c ../tests/intercept/shim_progs/common.h
+	@mkdir -p $(dir $@)
+	$(CC) $(SHIM_PROG_CFLAGS) -o $@ $< -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.13 -ldl -lpthread
+
+# Symbol-versioning variants of the shim, for test_shim_binding.py only:
+# unversioned exports (no version definitions) and a .13-only node.
+SHIM_NOV12_SRCS := $(filter-out src/shim_v12.c,$(SHIM_SRCS))
+$(SHIM_TESTS)/variants/%/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
+	@mkdir -p $(dir $@)
+	printf '%s' '$(if $(filter unversioned,$*),,libcudart.so.13 ){ global: cuda*; __cuda*; nccl*; jitintercept_*; local: *; };' > $(dir $@)map
+	$(CC) $(CFLAGS) $(SHIM_CFLAGS) $(SHIM_CPPFLAGS) -o $@ $(SHIM_NOV12_SRCS) \
+	  $(filter-out -Wl$(,)--version-script=src/shim.map,$(SHIM_LDFLAGS)) -Wl,--version-script=$(dir $@)map
 
 $(SHIM_TESTS)/realcudart: ../tests/intercept/shim_progs/realcudart.c
 	@mkdir -p $(dir $@)

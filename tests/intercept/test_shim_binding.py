@@ -91,6 +91,29 @@ def test_versioned_12_references_are_interposed() -> None:
     assert "V12 record=-1" in plain.stdout  # control: without the shim nothing counts
 
 
+@pytest.mark.skipif(st.ASAN, reason="variants are built without sanitizers")
+def test_version_node_analysis_holds() -> None:
+    """Why the shim carries both nodes: a shim whose hooks are only
+    `@@libcudart.so.13` does not interpose `@libcudart.so.12` references (glibc
+    requires the version names to match once the object defines versions); an
+    unversioned shim (no version definitions) interposes both, and so does
+    ours, which also keeps the version information in its exports."""
+    variants = st.PROGS / "variants"
+
+    def records(prog: str, shim: Path) -> str:
+        e = st.env(preload=False)
+        e["LD_PRELOAD"] = str(shim)
+        out = subprocess.run([str(st.PROGS / prog)], env=e, capture_output=True, text=True, timeout=20)
+        assert out.returncode == 0, out.stderr
+        return re.search(r"record=(-?\d+)", out.stdout).group(1)
+
+    assert records("v12", st.SHIM) == records("v13", st.SHIM) == "10"
+    assert records("v12", variants / "unversioned" / "libjitintercept.so") == "10"
+    assert records("v13", variants / "unversioned" / "libjitintercept.so") == "10"
+    assert records("v13", variants / "v13only" / "libjitintercept.so") == "10"
+    assert records("v12", variants / "v13only" / "libjitintercept.so") == "0"  # bound to the real .12
+
+
 def test_runtime_loaded_rtld_local_is_found_via_link_map() -> None:
     """liblocal.so (and its libcudart) dlopen'ed RTLD_LOCAL: RTLD_NEXT cannot
     see the runtime; the dl_iterate_phdr + RTLD_NOLOAD fallback must."""
