@@ -922,6 +922,13 @@ static ncclResult_t issue(struct item it) {
   struct ncclComm *c = it.comm;
   if (!comm_valid(c)) return fail(ncclInvalidArgument, "invalid communicator");
   if (atomic_load(&c->aborted)) return fail(ncclInvalidUsage, "communicator was aborted");
+  int cerr = jitsim_sticky();
+  if (cerr) {
+    /* NCCL's kernel launch fails in a dead CUDA context. */
+    int ok = ncclSuccess;
+    atomic_compare_exchange_strong(&c->async_err, &ok, ncclUnhandledCudaError);
+    return fail(ncclUnhandledCudaError, "Cuda failure %d (sticky context error)", cerr);
+  }
   int err = atomic_load(&c->async_err);
   if (err != ncclSuccess && err != ncclInProgress)
     return fail((ncclResult_t)err, "communicator has an asynchronous error: %s",

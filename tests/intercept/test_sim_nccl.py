@@ -113,6 +113,11 @@ def test_injected_async_nccl_error_then_reinit(ranks):
     assert "ASYNC ERROR 6" in o1 and "REINIT OK" in o1
 
 
+def test_sticky_cuda_error_fails_nccl(ranks):
+    ranks.start("sticky", 1, lambda r: {"JITSIM_STICKY_ERROR_AT": "1"})
+    assert "PASS sticky" in ranks.wait()[0]
+
+
 def test_nonblocking_init_and_split(ranks):
     ranks.start("nonblocking", 4)
     assert all("PASS nonblocking" in o for o in ranks.wait())

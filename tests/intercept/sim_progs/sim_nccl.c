@@ -404,6 +404,23 @@ static void mode_ncclerr(void) {
   NCCL_OK(ncclCommDestroy(comm));
 }
 
+/* JITSIM_STICKY_ERROR_AT=1 on every rank: after the context dies, NCCL
+ * calls fail with ncclUnhandledCudaError (a 1-rank job is enough). */
+static void mode_sticky(void) {
+  ncclComm_t comm = init_comm("sticky");
+  register_test_kernels();
+  int *flag;
+  CUDA_OK(cudaMalloc((void **)&flag, sizeof(int)));
+  CHECK(launch_sleep_store(0, 1, flag, 1) == cudaErrorIllegalAddress, "injected fault");
+  float v = 1;
+  ncclResult_t r = ncclAllReduce(&v, &v, 1, ncclFloat32, ncclSum, comm, 0);
+  CHECK(r == ncclUnhandledCudaError, "allreduce in dead context -> %d", (int)r);
+  ncclResult_t ae;
+  NCCL_OK(ncclCommGetAsyncError(comm, &ae));
+  CHECK(ae == ncclUnhandledCudaError, "async %d", (int)ae);
+  NCCL_OK(ncclCommAbort(comm));
+}
+
 static void mode_nonblocking(void) {
   ncclUniqueId id;
   exchange_id("nb", &id);
@@ -469,6 +486,7 @@ int main(int argc, char **argv) {
   else if (!strcmp(m, "stop")) mode_stop();
   else if (!strcmp(m, "hang")) mode_hang();
   else if (!strcmp(m, "deadpeer")) mode_deadpeer();
+  else if (!strcmp(m, "sticky")) mode_sticky();
   else if (!strcmp(m, "ncclerr")) mode_ncclerr();
   else if (!strcmp(m, "nonblocking")) mode_nonblocking();
   else {
