@@ -126,8 +126,8 @@ API const char *cudaGetErrorString(cudaError_t error) {
     case cudaErrorNotSupported: return "operation not supported";
     case cudaErrorUnknown: return "unknown error";
   }
-  const char *n = cudaGetErrorName(error);
-  return strcmp(n, "unrecognized error code") ? n : "unrecognized error code";
+  /* Other codes: the name is more useful than a text we would invent. */
+  return cudaGetErrorName(error);
 }
 
 API cudaError_t cudaDriverGetVersion(int *driverVersion) {
