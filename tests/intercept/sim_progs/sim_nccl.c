@@ -273,10 +273,21 @@ static void expect_blocked_then_abort(ncclComm_t comm, cudaStream_t s, int hold_
   CUDA_OK(cudaStreamWaitEvent(cudaStreamLegacy, ev, 0));
   pthread_t mc;
   CHECK(pthread_create(&mc, NULL, memcpy_thread, NULL) == 0, "thread");
+  /* A rescue copy: fine on a non-blocking stream, stuck on a blocking one
+   * (it queues behind the legacy stream, which waits for the collective). */
+  static int src = 9, dst_nb, dst_b;
+  cudaStream_t nb, bl;
+  CUDA_OK(cudaStreamCreateWithFlags(&nb, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreate(&bl));
+  CUDA_OK(cudaMemcpyAsync(&dst_nb, &src, sizeof src, cudaMemcpyDeviceToHost, nb));
+  CUDA_OK(cudaMemcpyAsync(&dst_b, &src, sizeof src, cudaMemcpyDeviceToHost, bl));
+  CUDA_OK(cudaStreamSynchronize(nb));
+  CHECK(dst_nb == 9, "non-blocking rescue copy");
   double t0 = now_s();
   while (now_s() - t0 < hold_ms / 1000.0) {
     CHECK(cudaEventQuery(ev) == cudaErrorNotReady, "collective must stay blocked");
     CHECK(!g_memcpy_done, "cudaMemcpy must block behind the hung collective");
+    CHECK(cudaStreamQuery(bl) == cudaErrorNotReady, "blocking stream must queue behind legacy");
     sleep_ms(50);
   }
   printf("BLOCKED %.2fs\n", now_s() - t0);
@@ -288,6 +299,10 @@ static void expect_blocked_then_abort(ncclComm_t comm, cudaStream_t s, int hold_
   pthread_join(th, NULL);
   pthread_join(mc, NULL);
   CHECK(g_memcpy_done, "cudaMemcpy finished after the abort");
+  CUDA_OK(cudaStreamSynchronize(bl));
+  CHECK(dst_b == 9, "blocking-stream copy after the abort");
+  CUDA_OK(cudaStreamDestroy(nb));
+  CUDA_OK(cudaStreamDestroy(bl));
   /* The stream keeps working after the abort. */
   int *flag;
   CUDA_OK(cudaMalloc((void **)&flag, sizeof(int)));
