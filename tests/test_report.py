@@ -1,0 +1,79 @@
+"""Unit tests for jitckpt.report over a real torch.distributed TCPStore."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from jitckpt import report
+from jitckpt.report import Reporter, ReportReader
+
+
+@pytest.fixture(scope="module")
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    assert store.port > 0
+    yield store
+
+
+@pytest.fixture
+def client(server):
+    return report.connect("127.0.0.1", server.port, timeout_s=30)
+
+
+def test_namespace_is_per_token():
+    assert report.namespace("abc") == "jitckpt/abc"
+
+
+def test_round_trip_in_order(server, client):
+    w0 = Reporter(client, "tok-order", rank=0)
+    w1 = Reporter(report.connect("127.0.0.1", server.port), "tok-order", rank=1)
+    reader = ReportReader(server, "tok-order")
+    assert reader.poll() == []
+    w0.send("started", pid=11)
+    w1.send("failure_detected", reason="sigterm", step=4)
+    w0.send("checkpoint_saved", step=4, seconds=0.25)
+    msgs = reader.poll()
+    assert [(m["event"], m["rank"]) for m in msgs] == [
+        ("started", 0), ("failure_detected", 1), ("checkpoint_saved", 0)]
+    assert msgs[0]["pid"] == 11
+    assert msgs[1]["reason"] == "sigterm" and msgs[1]["step"] == 4
+    assert msgs[2]["seconds"] == 0.25
+    assert all(isinstance(m["t"], float) for m in msgs)
+    assert reader.poll() == []  # nothing is delivered twice
+    w1.send("worker_exit")
+    assert [m["event"] for m in reader.poll()] == ["worker_exit"]
+
+
+def test_reader_with_other_token_sees_nothing(server, client):
+    Reporter(client, "tok-a", rank=0).send("started")
+    assert ReportReader(server, "tok-b").poll() == []
+    assert [m["event"] for m in ReportReader(server, "tok-a").poll()] == ["started"]
+
+
+def test_unset_slot_is_retried_later(server, client):
+    ns = report.namespace("tok-gap")
+    w = Reporter(client, "tok-gap", rank=2)
+    reader = ReportReader(server, "tok-gap")
+    w.send("first")
+    # a writer between add() and set(): slot 2 is taken but not written yet
+    slot = client.add(f"{ns}/n", 1)
+    assert slot == 2
+    w.send("third")
+    assert [m["event"] for m in reader.poll()] == ["first"]  # stops at the gap, keeps order
+    assert reader.poll() == []
+    client.set(f"{ns}/r/{slot}", json.dumps({"event": "second", "t": 0.0, "rank": 5}))
+    assert [m["event"] for m in reader.poll()] == ["second", "third"]
+    assert reader.poll() == []
+
+
+def test_new_reader_reads_from_the_start(server, client):
+    w = Reporter(client, "tok-replay", rank=0)
+    w.send("a")
+    w.send("b")
+    ReportReader(server, "tok-replay").poll()
+    assert [m["event"] for m in ReportReader(server, "tok-replay").poll()] == ["a", "b"]

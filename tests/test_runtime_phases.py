@@ -1,0 +1,265 @@
+"""Unit tests for jitckpt.runtime: the phase machine, save triggers and the JIT save.
+
+The Runtime is built from a WorkerConfig with no token, so it has no store and
+installs nothing; ``_save_and_exit`` (which would ``os._exit``) is replaced by a
+recorder that raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from jitckpt import layout
+from jitckpt.config import WorkerConfig
+from jitckpt.faults import InjectedFault
+from jitckpt.runtime import Phase, Runtime, is_collective_error
+
+
+class SaveCalled(Exception):
+    pass
+
+
+def _cfg(root: Path | None = None, **kw) -> WorkerConfig:
+    base = dict(root=root, job_id="job-rt", token="", timeout_s=5.0, rank=0, world_size=2, restart_count=0,
+                restore_step=None, store_addr=None, fault_spec="")
+    base.update(kw)
+    return WorkerConfig(**base)
+
+
+@pytest.fixture
+def rt(tmp_path, monkeypatch):
+    calls: list[tuple[str, Phase]] = []
+
+    def fake_save_and_exit(self, reason, phase, announced=False):
+        calls.append((reason, phase))
+        raise SaveCalled(reason)
+
+    monkeypatch.setattr(Runtime, "_save_and_exit", fake_save_and_exit)
+    r = Runtime(_cfg(tmp_path))
+    r.saves = calls
+    return r
+
+
+def _minibatch(rt: Runtime, n_optimizers: int = 1) -> None:
+    rt.on_forward()
+    rt.on_backward(None)
+    for _ in range(n_optimizers):
+        rt.on_optimizer_pre()
+        rt.on_optimizer_post()
+
+
+# --- phases ---------------------------------------------------------------------------
+
+
+def test_phase_transitions_and_step_count(rt):
+    assert rt.phase is Phase.INIT and rt.steps_done == 0
+    rt.on_forward()
+    assert rt.phase is Phase.FWD
+    rt.on_backward(None)
+    assert rt.phase is Phase.BWD
+    rt.on_optimizer_pre()
+    assert rt.phase is Phase.OPT and rt.steps_done == 0
+    rt.on_optimizer_post()
+    assert rt.phase is Phase.POST and rt.steps_done == 1
+    _minibatch(rt)
+    _minibatch(rt)
+    assert rt.steps_done == 3
+    assert rt.saves == []
+
+
+def test_two_optimizers_in_one_minibatch_count_once(rt):
+    _minibatch(rt, n_optimizers=2)
+    assert rt.steps_done == 1
+    _minibatch(rt, n_optimizers=3)
+    assert rt.steps_done == 2
+
+
+def test_optimizer_without_forward_counts_each_step(rt):
+    # e.g. a loop whose forward is not DDP-wrapped: backward alone separates minibatches
+    for _ in range(3):
+        rt.on_backward(None)
+        rt.on_optimizer_pre()
+        rt.on_optimizer_post()
+    assert rt.steps_done == 3
+
+
+def test_training_start_callback_runs_once(rt):
+    calls = []
+    rt.on_training_start = lambda: calls.append(1)
+    rt.on_forward()
+    rt.on_forward()
+    _minibatch(rt)
+    assert calls == [1]
+
+
+def test_collective_in_post_starts_next_minibatch(rt):
+    _minibatch(rt)
+    assert rt.phase is Phase.POST
+    rt.on_collective()
+    assert rt.phase is Phase.FWD
+    rt.on_backward(None)
+    rt.on_collective()  # a collective inside backward keeps the phase
+    assert rt.phase is Phase.BWD
+
+
+# --- save triggers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["optimizer", "post"])
+@pytest.mark.parametrize("next_hook", ["forward", "collective", "backward"])
+def test_request_save_deferred_in_opt_and_post(rt, where, next_hook):
+    _minibatch(rt)  # steps_done 1
+    rt.on_forward()
+    rt.on_backward(None)
+    rt.on_optimizer_pre()
+    if where == "post":
+        rt.on_optimizer_post()
+    assert rt.request_save("sigterm") is False
+    assert rt.deferred == "sigterm" and rt.saves == [] and not rt.saving
+    assert rt.request_save("collective_error") is False
+    assert rt.deferred == "sigterm"  # the first reason is kept
+    if where == "optimizer":
+        rt.on_optimizer_post()  # the optimizer step runs to completion
+        assert rt.saves == []
+    assert rt.steps_done == 2
+    with pytest.raises(SaveCalled):
+        {"forward": rt.on_forward, "collective": rt.on_collective,
+         "backward": lambda: rt.on_backward(None)}[next_hook]()
+    assert rt.saves == [("sigterm", Phase.FWD)]
+    assert rt.saving
+    assert rt.steps_done == 2  # the checkpoint is of the start of the next minibatch
+
+
+@pytest.mark.parametrize("phase_hooks, phase", [
+    (("on_forward",), Phase.FWD),
+    (("on_forward", "on_backward"), Phase.BWD),
+])
+def test_request_save_in_fwd_bwd_is_immediate(rt, phase_hooks, phase):
+    _minibatch(rt)
+    for h in phase_hooks:
+        getattr(rt, h)(*(() if h == "on_forward" else (None,)))
+    with pytest.raises(SaveCalled):
+        rt.request_save("sigterm")
+    assert rt.saves == [("sigterm", phase)]
+    assert rt.saving and rt.deferred is None
+
+
+def test_request_save_before_training_saves_as_init(rt):
+    with pytest.raises(SaveCalled):
+        rt.request_save("sigterm")
+    assert rt.saves == [("sigterm", Phase.INIT)]
+
+
+def test_on_collective_error_saves_now_in_backward(rt):
+    rt.on_forward()
+    rt.on_backward(None)
+    with pytest.raises(SaveCalled):
+        rt.on_collective_error(RuntimeError("gloo: Connection closed by peer"))
+    assert rt.saves == [("collective_error", Phase.BWD)]
+
+
+def test_second_trigger_while_saving_parks(rt):
+    rt.on_forward()
+    with pytest.raises(SaveCalled):
+        rt.request_save("sigterm")
+    returned = []
+    t = threading.Thread(target=lambda: returned.append(rt.request_save("hang")), daemon=True)
+    t.start()
+    t.join(timeout=0.5)
+    # the thread is parked on _halt for good (daemon; never proceeds to a second save)
+    assert returned == [] and rt.saves == [("sigterm", Phase.FWD)]
+
+
+def test_optimizer_entry_while_saving_parks(rt):
+    # a save owned by another thread: the main thread must not write parameters
+    rt.on_forward()
+    rt.saving = True
+    entered = []
+
+    def step():
+        rt.on_optimizer_pre()
+        entered.append(rt.phase)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(timeout=0.5)
+    assert entered == [] and rt.phase is Phase.FWD
+
+
+# --- is_collective_error ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53412: "
+                 "Connection reset by peer"),
+    RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                 "Timed out waiting 3000ms for recv operation to complete"),
+    RuntimeError("[/pytorch/third_party/gloo/gloo/allreduce.cc:155] Application timeout caused pair closure"),
+    RuntimeError("NCCL communicator was aborted on rank 1"),
+    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited"),
+    dist.DistError("store timeout"),
+], ids=["gloo-reset", "gloo-timeout", "gloo-closure", "nccl", "DistBackendError", "DistError"])
+def test_is_collective_error_true(exc):
+    assert is_collective_error(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    InjectedFault("injected fault at rank 1 step 2 phase allreduce"),
+    InjectedFault("NCCL look-alike text in an injected fault"),
+    ValueError("third_party/gloo"),
+    RuntimeError("shape mismatch"),
+    KeyboardInterrupt(),
+], ids=["injected", "injected-with-marker", "ValueError", "shape", "KeyboardInterrupt"])
+def test_is_collective_error_false(exc):
+    assert not is_collective_error(exc)
+
+
+# --- the real JIT save (no exit) -----------------------------------------------------------
+
+
+def test_jit_save_publishes_verified_replica(tmp_path):
+    cfg = _cfg(tmp_path / "jit", job_id="job-save", rank=1, world_size=4)
+    rt = Runtime(cfg)
+    rt.shard = "s0"
+    rt.steps_done = 6
+    seen = []
+
+    def save_fn(d: str) -> None:
+        seen.append(d)
+        assert not Path(d).name.startswith("rank-")  # staged under a temporary name
+        Path(d, "model.pt").write_bytes(b"model")
+        Path(d, "optim.pt").write_bytes(b"optim")
+
+    rt.save_fn = save_fn
+    umask = os.umask(0o022)
+    os.umask(umask)
+    rt._jit_save()
+    assert os.umask(umask) == umask  # restored
+
+    final = layout.replica_dir(cfg.root, 6, "s0", 1)
+    r = layout.verify(final, "job-save")
+    assert isinstance(r, layout.Replica), r
+    assert (r.step, r.shard, r.rank) == (6, "s0", 1)
+    m = json.loads((final / layout.MANIFEST).read_text())
+    assert (m["step"], m["rank"], m["shard"], m["world_size"], m["job_id"]) == (6, 1, "s0", 4, "job-save")
+    assert m["progress_step"] == 6
+    assert set(m["files"]) == {"model.pt", "optim.pt"}
+    assert len(seen) == 1 and not Path(seen[0]).exists()  # staging dir renamed into place
+
+
+def test_jit_save_fault_in_save_phase_leaves_no_replica(tmp_path):
+    cfg = _cfg(tmp_path, fault_spec="rank=0,step=99,phase=save,kind=exception")
+    rt = Runtime(cfg)
+    rt.steps_done = 2
+    rt.save_fn = lambda d: Path(d, "x").write_bytes(b"x")
+    with pytest.raises(InjectedFault):
+        rt._jit_save()
+    good, bad = layout.scan(tmp_path, "job-rt")
+    assert good == []
+    assert [why for _, why in bad] == ["incomplete save (staging dir)"]
