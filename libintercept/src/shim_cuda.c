@@ -66,8 +66,8 @@ static cudaError_t ev_create(int id, cudaEvent_t *event, unsigned flags) {
     return r;
   }
   v->cflags = flags;
-  *event = (cudaEvent_t)v;
-  uint64_t w[2] = {U(v), flags};
+  *event = (cudaEvent_t)ji_vh_app(v);
+  uint64_t w[2] = {U(*event), flags};
   log_words(id, 2, w);
   return r;
 }
@@ -82,11 +82,12 @@ JI_API cudaError_t cudaEventDestroy(cudaEvent_t event) {
   if (ji_tls_depth) return fn(event);
   COUNT(cudaEventDestroy);
   XLATE(pe, event);
+  ji_vh *v = ji_slot(event);
   cudaError_t r = CALL(fn(pe));
   if (r == cudaSuccess) {
     uint64_t w[1] = {U(event)};
     log_words(JI_ID_cudaEventDestroy, 1, w);
-    ji_vh_free(ji_vh_of(event));
+    ji_vh_free(v);
   }
   return r;
 }
@@ -104,7 +105,7 @@ static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stre
   cudaError_t r = wf ? CALL(((ji_fn_cudaEventRecordWithFlags)fn)(pe, ps, flags))
                      : CALL(((ji_fn_cudaEventRecord)fn)(pe, ps));
   if (JI_LIKELY(r == cudaSuccess)) {
-    ji_vh *ve = ji_vh_of(event);
+    ji_vh *ve = ji_slot(event);
     if (ve) {
       /* Fig. 3 bookkeeping: which stream the event was last recorded on, so a
        * later cudaStreamWaitEvent can tell whether it guards an NCCL stream. */
@@ -189,8 +190,8 @@ static cudaError_t st_create(int id, cudaStream_t *ps, unsigned flags, int prio)
   }
   v->cflags = flags;
   v->prio = prio;
-  *ps = (cudaStream_t)v;
-  uint64_t w[3] = {U(v), flags, (uint64_t)(int64_t)prio};
+  *ps = (cudaStream_t)ji_vh_app(v);
+  uint64_t w[3] = {U(*ps), flags, (uint64_t)(int64_t)prio};
   log_words(id, 3, w);
   return r;
 }
@@ -208,11 +209,12 @@ JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   if (ji_tls_depth) return fn(stream);
   COUNT(cudaStreamDestroy);
   XLATE(ps, stream);
+  ji_vh *v = ji_slot(stream);
   cudaError_t r = CALL(fn(ps));
   if (r == cudaSuccess) {
     uint64_t w[1] = {U(stream)};
     log_words(JI_ID_cudaStreamDestroy, 1, w);
-    ji_vh_free(ji_vh_of(stream));
+    ji_vh_free(v);
   }
   return r;
 }
@@ -226,7 +228,7 @@ static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event
   XLATE(pe, event);
   cudaError_t r = CALL(fn(ps, pe, flags));
   if (JI_LIKELY(r == cudaSuccess)) {
-    ji_vh *ve = ji_vh_of(event);
+    ji_vh *ve = ji_slot(event);
     if (ve) {
       void *rs = atomic_load_explicit(&ve->rec_stream, memory_order_relaxed);
       /* Paper Fig. 3: an event on an NCCL stream that another stream waits on
@@ -487,4 +489,144 @@ JI_API cudaError_t __cudaGetKernel(cudaKernel_t *kernel, const void *func) {
    * launches that only carry the kernel handle. */
   if (r == cudaSuccess && kernel) ji_kernel_map(*kernel, func);
   return r;
+}
+
+/* ---------------- other calls that take stream/event handles ----------------
+ * Hooked so that virtual handles never reach the runtime untranslated. */
+static cudaError_t st_query(int id, cudaStream_t stream) {
+  ji_fn_cudaStreamQuery fn = (ji_fn_cudaStreamQuery)ji_real(id);
+  if (JI_UNLIKELY(!fn)) return NO_LIB;
+  if (JI_UNLIKELY(ji_tls_depth)) return fn(stream);
+  ji_count(id);
+  XLATE(ps, stream);
+  return CALL(fn(ps));
+}
+JI_API cudaError_t cudaStreamQuery(cudaStream_t stream) { return st_query(JI_ID_cudaStreamQuery, stream); }
+JI_API cudaError_t cudaStreamQuery_ptsz(cudaStream_t stream) { return st_query(JI_ID_cudaStreamQuery_ptsz, stream); }
+
+static cudaError_t st_flags(int id, cudaStream_t stream, unsigned int *flags) {
+  ji_fn_cudaStreamGetFlags fn = (ji_fn_cudaStreamGetFlags)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream, flags);
+  ji_count(id);
+  XLATE(ps, stream);
+  return CALL(fn(ps, flags));
+}
+JI_API cudaError_t cudaStreamGetFlags(cudaStream_t hStream, unsigned int *flags) {
+  return st_flags(JI_ID_cudaStreamGetFlags, hStream, flags);
+}
+JI_API cudaError_t cudaStreamGetFlags_ptsz(cudaStream_t hStream, unsigned int *flags) {
+  return st_flags(JI_ID_cudaStreamGetFlags_ptsz, hStream, flags);
+}
+
+static cudaError_t st_prio(int id, cudaStream_t stream, int *priority) {
+  ji_fn_cudaStreamGetPriority fn = (ji_fn_cudaStreamGetPriority)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream, priority);
+  ji_count(id);
+  XLATE(ps, stream);
+  return CALL(fn(ps, priority));
+}
+JI_API cudaError_t cudaStreamGetPriority(cudaStream_t hStream, int *priority) {
+  return st_prio(JI_ID_cudaStreamGetPriority, hStream, priority);
+}
+JI_API cudaError_t cudaStreamGetPriority_ptsz(cudaStream_t hStream, int *priority) {
+  return st_prio(JI_ID_cudaStreamGetPriority_ptsz, hStream, priority);
+}
+
+/* Host callbacks are logged but make the minibatch unreplayable: re-running
+ * arbitrary host code (whose userData may be gone) is not a device replay. */
+static void log_host_work(int id, cudaStream_t stream, const void *fn, const void *user) {
+  if (!ji_log_on()) return;
+  ji_log_mark_incomplete();
+  uint64_t w[3] = {U(stream), U(fn), U(user)};
+  log_words(id, 3, w);
+}
+
+static cudaError_t st_callback(int id, cudaStream_t stream, cudaStreamCallback_t cb, void *user, unsigned flags) {
+  ji_fn_cudaStreamAddCallback fn = (ji_fn_cudaStreamAddCallback)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream, cb, user, flags);
+  ji_count(id);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  cudaError_t r = CALL(fn(ps, cb, user, flags));
+  if (r == cudaSuccess) log_host_work(id, stream, (const void *)cb, user);
+  return r;
+}
+JI_API cudaError_t cudaStreamAddCallback(cudaStream_t stream, cudaStreamCallback_t callback, void *userData,
+                                         unsigned int flags) {
+  return st_callback(JI_ID_cudaStreamAddCallback, stream, callback, userData, flags);
+}
+JI_API cudaError_t cudaStreamAddCallback_ptsz(cudaStream_t stream, cudaStreamCallback_t callback, void *userData,
+                                              unsigned int flags) {
+  return st_callback(JI_ID_cudaStreamAddCallback_ptsz, stream, callback, userData, flags);
+}
+
+static cudaError_t host_func(int id, cudaStream_t stream, cudaHostFn_t hf, void *user) {
+  ji_fn_cudaLaunchHostFunc fn = (ji_fn_cudaLaunchHostFunc)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(stream, hf, user);
+  ji_count(id);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  cudaError_t r = CALL(fn(ps, hf, user));
+  if (r == cudaSuccess) log_host_work(id, stream, (const void *)hf, user);
+  return r;
+}
+JI_API cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData) {
+  return host_func(JI_ID_cudaLaunchHostFunc, stream, fn, userData);
+}
+JI_API cudaError_t cudaLaunchHostFunc_ptsz(cudaStream_t stream, cudaHostFn_t fn, void *userData) {
+  return host_func(JI_ID_cudaLaunchHostFunc_ptsz, stream, fn, userData);
+}
+
+JI_API cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+  ji_fn_cudaEventElapsedTime fn = REAL(cudaEventElapsedTime);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(ms, start, end);
+  COUNT(cudaEventElapsedTime);
+  XLATE(pa, start);
+  XLATE(pb, end);
+  return CALL(fn(ms, pa, pb));
+}
+
+static cudaError_t ms_sync(int id, void *p, int value, size_t count) {
+  ji_fn_cudaMemset fn = (ji_fn_cudaMemset)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(p, value, count);
+  ji_count(id);
+  ji_park_enter();
+  cudaError_t r = CALL(fn(p, value, count));
+  ji_park_exit();
+  if (r == cudaSuccess) {
+    uint64_t w[4] = {U(p), (uint64_t)(int64_t)value, count, 0};
+    log_words(id, 4, w);
+  }
+  return r;
+}
+JI_API cudaError_t cudaMemset(void *devPtr, int value, size_t count) { return ms_sync(JI_ID_cudaMemset, devPtr, value, count); }
+JI_API cudaError_t cudaMemset_ptds(void *devPtr, int value, size_t count) {
+  return ms_sync(JI_ID_cudaMemset_ptds, devPtr, value, count);
+}
+
+static cudaError_t ms_async(int id, void *p, int value, size_t count, cudaStream_t stream) {
+  ji_fn_cudaMemsetAsync fn = (ji_fn_cudaMemsetAsync)ji_real(id);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(p, value, count, stream);
+  ji_count(id);
+  XLATE(ps, stream);
+  if (in_trigger()) ps = ji_private_stream();
+  cudaError_t r = CALL(fn(p, value, count, ps));
+  if (r == cudaSuccess) {
+    uint64_t w[4] = {U(p), (uint64_t)(int64_t)value, count, U(stream)};
+    log_words(id, 4, w);
+  }
+  return r;
+}
+JI_API cudaError_t cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream) {
+  return ms_async(JI_ID_cudaMemsetAsync, devPtr, value, count, stream);
+}
+JI_API cudaError_t cudaMemsetAsync_ptsz(void *devPtr, int value, size_t count, cudaStream_t stream) {
+  return ms_async(JI_ID_cudaMemsetAsync_ptsz, devPtr, value, count, stream);
 }

@@ -76,7 +76,8 @@ enum { JI_VK_STREAM = 1, JI_VK_EVENT = 2, JI_VK_COMM = 3 };
 struct ji_comm_info;
 typedef struct ji_vh {
   _Atomic(void *) phys;
-  uint32_t kind;
+  uint16_t kind;
+  uint16_t shadow; /* 1: the application holds the physical handle (not virtualized) */
   _Atomic uint32_t gen;
   uint32_t cflags; /* creation flags (stream / event) */
   int32_t prio;
@@ -105,6 +106,22 @@ static inline void *ji_phys(const void *h) {
   ji_vh *v = ji_vh_of(h);
   return v ? atomic_load_explicit(&v->phys, memory_order_acquire) : (void *)h;
 }
+
+/* Which kinds the application gets virtual handles for (JITCKPT_VIRTUAL_HANDLES).
+ * Objects of the other kinds still get a slot (a "shadow" record holding the
+ * same bookkeeping), found from the physical handle through a hash map. */
+enum { JI_VM_STREAMS = 1, JI_VM_EVENTS = 2, JI_VM_COMMS = 4 };
+extern int ji_vh_mode;
+extern _Atomic int ji_pm_used;
+JI_HIDDEN ji_vh *ji_pm_get(const void *phys);
+/* Record for an application handle, virtual or physical; NULL if unknown. */
+static inline ji_vh *ji_slot(const void *h) {
+  ji_vh *v = ji_vh_of(h);
+  if (v) return v;
+  return atomic_load_explicit(&ji_pm_used, memory_order_relaxed) ? ji_pm_get(h) : NULL;
+}
+/* The handle the application is given for a record. */
+static inline void *ji_vh_app(ji_vh *v) { return v->shadow ? atomic_load(&v->phys) : (void *)v; }
 JI_HIDDEN ji_vh *ji_vh_alloc(uint32_t kind, void *phys);
 JI_HIDDEN void ji_vh_free(ji_vh *v);
 JI_HIDDEN void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);

@@ -38,7 +38,7 @@ static _Atomic(void *) nv_streams[NV_MAX];
 static _Atomic int nv_n;
 
 void ji_mark_nccl_stream(cudaStream_t s, int coll) {
-  ji_vh *v = ji_vh_of(s);
+  ji_vh *v = ji_slot(s);
   if (v) {
     if (!(atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL))
       atomic_fetch_or(&v->sflags, JI_VH_NCCL);
@@ -51,7 +51,7 @@ void ji_mark_nccl_stream(cudaStream_t s, int coll) {
 }
 
 int ji_is_nccl_stream(cudaStream_t s) {
-  ji_vh *v = ji_vh_of(s);
+  ji_vh *v = ji_slot(s);
   if (v) return (atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL) != 0;
   int n = atomic_load_explicit(&nv_n, memory_order_relaxed);
   if (n > NV_MAX) n = NV_MAX;
@@ -118,7 +118,7 @@ static ncclResult_t comm_init(int id, ncclComm_t *comm, int nranks, ncclUniqueId
 #undef CI_CALL
   if (!ok(r)) return r;
   ji_vh *v = wrap_comm(phys, nranks, &commId, rank, id == JI_ID_ncclCommInitRankConfig ? config : NULL, NULL, 0, 0);
-  *comm = v ? (ncclComm_t)v : phys;
+  *comm = v ? (ncclComm_t)ji_vh_app(v) : phys;
   uint64_t w[3] = {U(*comm), (uint64_t)nranks, (uint64_t)rank};
   log_words(id, 3, w);
   return r;
@@ -152,8 +152,8 @@ JI_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
   jitabi_ncclCommCount_fn cc = (jitabi_ncclCommCount_fn)ji_sym_in_lib(JI_NCCL, "pncclCommCount");
   if (ur) (void)NCALL(ur(phys, &rank));
   if (cc) (void)NCALL(cc(phys, &nranks));
-  ji_vh *v = wrap_comm(phys, nranks, NULL, rank, config, ji_vh_of(comm), color, key);
-  *newcomm = v ? (ncclComm_t)v : phys;
+  ji_vh *v = wrap_comm(phys, nranks, NULL, rank, config, ji_slot(comm), color, key);
+  *newcomm = v ? (ncclComm_t)ji_vh_app(v) : phys;
   uint64_t w[4] = {U(*newcomm), U(comm), (uint64_t)color, (uint64_t)key};
   log_words(JI_ID_ncclCommSplit, 4, w);
   return r;
@@ -165,7 +165,7 @@ static ncclResult_t comm_end(int id, ncclComm_t comm) {
   if (ji_tls_depth) return fn(comm);
   ji_count(id);
   NXLATE(pc, comm);
-  ji_vh *v = ji_vh_of(comm);
+  ji_vh *v = ji_slot(comm);
   /* Out of the watchdog's poll set before the object goes away. */
   if (v) ji_wd_comm_remove(v);
   if (id == JI_ID_ncclCommDestroy) ji_park_enter();
@@ -191,7 +191,7 @@ JI_API ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncEr
 /* Common tail of every collective: log, mark the stream, tell the watchdog. */
 static void coll_done(int id, ncclComm_t comm, cudaStream_t stream, const uint64_t *w, unsigned n) {
   ji_mark_nccl_stream(stream, id);
-  ji_wd_collective(id, stream, ji_vh_of(comm));
+  ji_wd_collective(id, stream, ji_slot(comm));
   log_words(id, n, w);
 }
 
@@ -294,6 +294,59 @@ JI_API ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t dataty
     uint64_t w[7] = {0, U(recvbuff), count, (uint64_t)datatype, (uint64_t)(int64_t)peer, U(comm), U(stream)};
     coll_done(JI_ID_ncclRecv, comm, stream, w, 7);
   }
+  return r;
+}
+
+JI_API ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
+                              cudaStream_t stream) {
+  COLL_PRE(ncclBcast, buff, count, datatype, root, comm, stream);
+  ji_park_enter();
+  ncclResult_t r = NCALL(fn(buff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
+  ji_park_exit();
+  if (ok(r)) {
+    uint64_t w[7] = {U(buff), U(buff), count, (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm), U(stream)};
+    coll_done(JI_ID_ncclBcast, comm, stream, w, 7);
+  }
+  return r;
+}
+
+/* Calls that only take a communicator: translate and forward. */
+JI_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  ji_fn_ncclCommFinalize fn = REAL(ncclCommFinalize);
+  if (!fn) return NO_LIB;
+  if (ji_tls_depth) return fn(comm);
+  COUNT(ncclCommFinalize);
+  NXLATE(pc, comm);
+  ji_park_enter();
+  ncclResult_t r = NCALL(fn((ncclComm_t)pc));
+  ji_park_exit();
+  return r;
+}
+#define COMM_FWD(name, params, ...)                 \
+  JI_API ncclResult_t name params {                 \
+    ji_fn_##name fn = REAL(name);                   \
+    if (!fn) return NO_LIB;                         \
+    if (ji_tls_depth) return fn(comm, __VA_ARGS__); \
+    COUNT(name);                                    \
+    NXLATE(pc, comm);                               \
+    return NCALL(fn((ncclComm_t)pc, __VA_ARGS__));  \
+  }
+COMM_FWD(ncclCommCount, (const ncclComm_t comm, int *count), count)
+COMM_FWD(ncclCommCuDevice, (const ncclComm_t comm, int *device), device)
+COMM_FWD(ncclCommUserRank, (const ncclComm_t comm, int *rank), rank)
+COMM_FWD(ncclCommRegister, (const ncclComm_t comm, void *buff, size_t size, void **handle), buff, size, handle)
+COMM_FWD(ncclCommDeregister, (const ncclComm_t comm, void *handle), handle)
+
+JI_API const char *ncclGetLastError(ncclComm_t comm) {
+  ji_fn_ncclGetLastError fn = REAL(ncclGetLastError);
+  if (!fn) return "libnccl is not loaded";
+  if (ji_tls_depth) return fn(comm);
+  COUNT(ncclGetLastError);
+  ji_vh *v = ji_vh_of(comm);
+  void *pc = v ? atomic_load(&v->phys) : (void *)comm;
+  ji_tls_depth++;
+  const char *r = fn((ncclComm_t)pc);
+  ji_tls_depth--;
   return r;
 }
 

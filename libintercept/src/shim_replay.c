@@ -483,6 +483,23 @@ JI_API int jitintercept_replay(void) {
         CHK(f_ncclRecv(P(a[1]), a[2], (ncclDataType_t)a[3], (int)(int64_t)a[4], xl(a[5]), xl(a[6])));
         break;
       }
+      case JI_ID_cudaMemset:
+      case JI_ID_cudaMemset_ptds: {
+        NEED(cudaMemset);
+        CHK(f_cudaMemset(P(a[0]), (int)(int64_t)a[1], a[2]));
+        break;
+      }
+      case JI_ID_cudaMemsetAsync:
+      case JI_ID_cudaMemsetAsync_ptsz: {
+        NEED(cudaMemsetAsync);
+        CHK(f_cudaMemsetAsync(P(a[0]), (int)(int64_t)a[1], a[2], xl(a[3])));
+        break;
+      }
+      case JI_ID_ncclBcast: {
+        NEED(ncclBcast);
+        CHK(f_ncclBcast(P(a[1]), a[2], (ncclDataType_t)a[3], (int)(int64_t)a[4], xl(a[5]), xl(a[6])));
+        break;
+      }
       case JI_ID_ncclGroupStart: {
         NEED(ncclGroupStart);
         CHK(f_ncclGroupStart());

@@ -62,6 +62,21 @@
   X(__cudaGetKernel, cudaError_t, (cudaKernel_t *kernel, const void *func), (kernel, func), JI_CUDART, 0) \
   X(__cudaLaunchKernel, cudaError_t, JI_KLAUNCH_PARAMS, JI_KLAUNCH_ARGS, JI_CUDART, JI_HOT) \
   X(__cudaLaunchKernel_ptsz, cudaError_t, JI_KLAUNCH_PARAMS, JI_KLAUNCH_ARGS, JI_CUDART, JI_HOT) \
+  X(cudaStreamQuery, cudaError_t, (cudaStream_t stream), (stream), JI_CUDART, JI_HOT) \
+  X(cudaStreamQuery_ptsz, cudaError_t, (cudaStream_t stream), (stream), JI_CUDART, JI_HOT) \
+  X(cudaStreamGetFlags, cudaError_t, (cudaStream_t hStream, unsigned int *flags), (hStream, flags), JI_CUDART, 0) \
+  X(cudaStreamGetFlags_ptsz, cudaError_t, (cudaStream_t hStream, unsigned int *flags), (hStream, flags), JI_CUDART, 0) \
+  X(cudaStreamGetPriority, cudaError_t, (cudaStream_t hStream, int *priority), (hStream, priority), JI_CUDART, 0) \
+  X(cudaStreamGetPriority_ptsz, cudaError_t, (cudaStream_t hStream, int *priority), (hStream, priority), JI_CUDART, 0) \
+  X(cudaStreamAddCallback, cudaError_t, (cudaStream_t stream, cudaStreamCallback_t callback, void *userData, unsigned int flags), (stream, callback, userData, flags), JI_CUDART, 0) \
+  X(cudaStreamAddCallback_ptsz, cudaError_t, (cudaStream_t stream, cudaStreamCallback_t callback, void *userData, unsigned int flags), (stream, callback, userData, flags), JI_CUDART, 0) \
+  X(cudaLaunchHostFunc, cudaError_t, (cudaStream_t stream, cudaHostFn_t fn, void *userData), (stream, fn, userData), JI_CUDART, 0) \
+  X(cudaLaunchHostFunc_ptsz, cudaError_t, (cudaStream_t stream, cudaHostFn_t fn, void *userData), (stream, fn, userData), JI_CUDART, 0) \
+  X(cudaEventElapsedTime, cudaError_t, (float *ms, cudaEvent_t start, cudaEvent_t end), (ms, start, end), JI_CUDART, 0) \
+  X(cudaMemset, cudaError_t, (void *devPtr, int value, size_t count), (devPtr, value, count), JI_CUDART, JI_BLOCK) \
+  X(cudaMemset_ptds, cudaError_t, (void *devPtr, int value, size_t count), (devPtr, value, count), JI_CUDART, JI_BLOCK) \
+  X(cudaMemsetAsync, cudaError_t, (void *devPtr, int value, size_t count, cudaStream_t stream), (devPtr, value, count, stream), JI_CUDART, 0) \
+  X(cudaMemsetAsync_ptsz, cudaError_t, (void *devPtr, int value, size_t count, cudaStream_t stream), (devPtr, value, count, stream), JI_CUDART, 0) \
   X(ncclGetUniqueId, ncclResult_t, (ncclUniqueId *uniqueId), (uniqueId), JI_NCCL, 0) \
   X(ncclCommInitRank, ncclResult_t, (ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank), (comm, nranks, commId, rank), JI_NCCL, JI_BLOCK) \
   X(ncclCommInitRankConfig, ncclResult_t, (ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t *config), (comm, nranks, commId, rank, config), JI_NCCL, JI_BLOCK) \
@@ -76,6 +91,14 @@
   X(ncclReduceScatter, ncclResult_t, (const void *sendbuff, void *recvbuff, size_t recvcount, ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream), (sendbuff, recvbuff, recvcount, datatype, op, comm, stream), JI_NCCL, JI_COLL | JI_BLOCK) \
   X(ncclSend, ncclResult_t, (const void *sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream), (sendbuff, count, datatype, peer, comm, stream), JI_NCCL, JI_COLL | JI_BLOCK) \
   X(ncclRecv, ncclResult_t, (void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm, cudaStream_t stream), (recvbuff, count, datatype, peer, comm, stream), JI_NCCL, JI_COLL | JI_BLOCK) \
+  X(ncclBcast, ncclResult_t, (void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream), (buff, count, datatype, root, comm, stream), JI_NCCL, JI_COLL | JI_BLOCK) \
+  X(ncclCommFinalize, ncclResult_t, (ncclComm_t comm), (comm), JI_NCCL, JI_BLOCK) \
+  X(ncclCommCount, ncclResult_t, (const ncclComm_t comm, int *count), (comm, count), JI_NCCL, 0) \
+  X(ncclCommCuDevice, ncclResult_t, (const ncclComm_t comm, int *device), (comm, device), JI_NCCL, 0) \
+  X(ncclCommUserRank, ncclResult_t, (const ncclComm_t comm, int *rank), (comm, rank), JI_NCCL, 0) \
+  X(ncclCommRegister, ncclResult_t, (const ncclComm_t comm, void *buff, size_t size, void **handle), (comm, buff, size, handle), JI_NCCL, 0) \
+  X(ncclCommDeregister, ncclResult_t, (const ncclComm_t comm, void *handle), (comm, handle), JI_NCCL, 0) \
+  X(ncclGetLastError, const char *, (ncclComm_t comm), (comm), JI_NCCL, 0) \
   X(ncclGroupStart, ncclResult_t, (void), (), JI_NCCL, 0) \
   X(ncclGroupEnd, ncclResult_t, (void), (), JI_NCCL, JI_BLOCK)
 

@@ -19,10 +19,85 @@
 #include "shim_internal.h"
 
 uintptr_t ji_vh_base;
+int ji_vh_mode;
+_Atomic int ji_pm_used;
 static pthread_mutex_t vh_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t vh_high;     /* slots handed out so far (bump pointer) */
 static ji_vh *vh_free_head;  /* free list, linked through ->comm */
 static pthread_once_t vh_once = PTHREAD_ONCE_INIT;
+
+/* ---- physical handle -> shadow record ----
+ * Open addressing, pointer keys, linear probing. Readers are lock-free
+ * (acquire load of the key, value stored before the key is published);
+ * insert/delete under vh_mu; deleted keys become tombstones. A stale read
+ * can only yield an arena slot, which is never unmapped. */
+#define PM_CAP (1u << 16)
+#define PM_PROBE 64
+#define PM_TOMB ((void *)~(uintptr_t)0)
+static _Atomic(void *) pm_key[PM_CAP];
+static _Atomic(ji_vh *) pm_val[PM_CAP];
+
+static size_t pm_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48); }
+
+ji_vh *ji_pm_get(const void *phys) {
+  if (!phys) return NULL;
+  size_t h = pm_hash(phys);
+  for (unsigned i = 0; i < PM_PROBE; i++) {
+    size_t s = (h + i) & (PM_CAP - 1);
+    void *k = atomic_load_explicit(&pm_key[s], memory_order_acquire);
+    if (k == phys) return atomic_load_explicit(&pm_val[s], memory_order_relaxed);
+    if (!k) return NULL;
+  }
+  return NULL;
+}
+
+/* Caller holds vh_mu. Returns 0 when the probe window is full (the object is
+ * then simply not tracked: no Fig. 3 watch, no rank label). */
+static int pm_put_locked(void *phys, ji_vh *v) {
+  size_t h = pm_hash(phys);
+  for (unsigned i = 0; i < PM_PROBE; i++) {
+    size_t s = (h + i) & (PM_CAP - 1);
+    void *k = atomic_load(&pm_key[s]);
+    if (!k || k == PM_TOMB || k == phys) {
+      atomic_store_explicit(&pm_val[s], v, memory_order_relaxed);
+      atomic_store_explicit(&pm_key[s], phys, memory_order_release);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Only if the entry is still ours: the runtime may already have handed the
+ * same address to a new object that another thread registered. */
+static void pm_del_locked(void *phys, ji_vh *v) {
+  size_t h = pm_hash(phys);
+  for (unsigned i = 0; i < PM_PROBE; i++) {
+    size_t s = (h + i) & (PM_CAP - 1);
+    void *k = atomic_load(&pm_key[s]);
+    if (k == phys) {
+      if (atomic_load(&pm_val[s]) == v) atomic_store(&pm_key[s], PM_TOMB);
+      return;
+    }
+    if (!k) return;
+  }
+}
+
+/* JITCKPT_VIRTUAL_HANDLES: "all", "none", or a comma list of streams,
+ * events, comms. Default "none": stream handles are also handed by PyTorch
+ * to cuBLAS/cuDNN/Triton, which use them below the runtime API where no
+ * LD_PRELOAD hook can translate them; events and communicators reach
+ * unhooked APIs too (cudaIpcGetEventHandle, ncclRedOpCreatePreMulSum, ...). */
+__attribute__((constructor)) static void vh_mode_init(void) {
+  const char *e = ji_getenv("JITCKPT_VIRTUAL_HANDLES");
+  if (!e || !strcmp(e, "none") || !strcmp(e, "0")) {
+    ji_vh_mode = 0;
+  } else if (!strcmp(e, "all") || !strcmp(e, "1")) {
+    ji_vh_mode = JI_VM_STREAMS | JI_VM_EVENTS | JI_VM_COMMS;
+  } else {
+    ji_vh_mode = (strstr(e, "stream") ? JI_VM_STREAMS : 0) | (strstr(e, "event") ? JI_VM_EVENTS : 0) |
+                 (strstr(e, "comm") ? JI_VM_COMMS : 0);
+  }
+}
 
 static void vh_init(void) {
   /* NORESERVE: only touched slots cost memory. */
@@ -46,19 +121,39 @@ ji_vh *ji_vh_alloc(uint32_t kind, void *phys) {
   uint32_t gen = atomic_load(&v->gen);
   memset(v, 0, sizeof *v);
   atomic_store(&v->gen, gen + 1);
-  v->kind = kind;
+  v->kind = (uint16_t)kind;
+  int virt = (kind == JI_VK_STREAM && (ji_vh_mode & JI_VM_STREAMS)) ||
+             (kind == JI_VK_EVENT && (ji_vh_mode & JI_VM_EVENTS)) ||
+             (kind == JI_VK_COMM && (ji_vh_mode & JI_VM_COMMS));
   atomic_store_explicit(&v->phys, phys, memory_order_release);
+  if (!virt) {
+    v->shadow = 1;
+    pthread_mutex_lock(&vh_mu);
+    int ok = pm_put_locked(phys, v);
+    pthread_mutex_unlock(&vh_mu);
+    atomic_store(&ji_pm_used, 1);
+    if (!ok) { /* untracked: hand the slot back, the app keeps the physical handle */
+      ji_vh_free(v);
+      return NULL;
+    }
+  }
   return v;
 }
 
 void ji_vh_free(ji_vh *v) {
   if (!v) return;
+  if (v->shadow) {
+    pthread_mutex_lock(&vh_mu);
+    pm_del_locked(atomic_load(&v->phys), v);
+    pthread_mutex_unlock(&vh_mu);
+  }
   /* A stale handle used after destroy then fails cleanly (NULL physical ->
    * cudaErrorInvalidResourceHandle in the hooks) instead of aliasing. */
   atomic_store_explicit(&v->phys, NULL, memory_order_release);
   atomic_fetch_add(&v->gen, 1);
   if (v->kind == JI_VK_COMM) free(v->comm);
   v->kind = 0;
+  v->shadow = 0;
   pthread_mutex_lock(&vh_mu);
   v->comm = (struct ji_comm_info *)vh_free_head;
   vh_free_head = v;
@@ -72,7 +167,7 @@ void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
   pthread_mutex_unlock(&vh_mu);
   for (uint32_t i = 0; i < n; i++) {
     ji_vh *v = (ji_vh *)(ji_vh_base + (uintptr_t)i * JI_VH_SLOT);
-    if (v->kind == kind && atomic_load(&v->phys)) fn(v, arg);
+    if (v->kind == kind && !v->shadow && atomic_load(&v->phys)) fn(v, arg);
   }
 }
 

@@ -249,7 +249,7 @@ void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev) {
   e->gen = atomic_load(&vev->gen);
   e->rec_seq = seq;
   e->skey = rs;
-  ji_vh *vs = ji_vh_of(rs);
+  ji_vh *vs = ji_slot(rs);
   e->coll = vs ? (int)atomic_load(&vs->last_coll) : JI_ID_ncclAllReduce;
   e->rank = comm_rank(NULL);
   double t = atomic_load_explicit(&vev->rec_t, memory_order_relaxed);

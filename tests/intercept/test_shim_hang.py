@@ -32,11 +32,19 @@ def _start(job: st.Job, tmp: Path, nranks: int, per_rank: dict[int, dict[str, st
     return procs
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_dead_or_stopped_rank_makes_every_healthy_rank_report(tmp_path: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("sig", "handles"), [(signal.SIGKILL, "all"), (signal.SIGSTOP, "none")], ids=["SIGKILL", "SIGSTOP"]
+)
+def test_dead_or_stopped_rank_makes_every_healthy_rank_report(
+    tmp_path: Path, sig: signal.Signals, handles: str
+) -> None:
+    """Both handle modes: virtual handles everywhere, or physical ones with
+    shadow records (the default)."""
     nranks, victim = 3, 1
     with st.Job(tmp_path) as job:
-        procs = _start(job, tmp_path, nranks, JITCKPT_TIMEOUT=str(TIMEOUT), JITCKPT_ON_HANG="exit")
+        procs = _start(
+            job, tmp_path, nranks, JITCKPT_TIMEOUT=str(TIMEOUT), JITCKPT_ON_HANG="exit", JITCKPT_VIRTUAL_HANDLES=handles
+        )
         assert st.wait_for(lambda: all(st.progress(tmp_path, r) >= 200 for r in range(nranks)), 20), [
             job.output(f"rank{r}") for r in range(nranks)
         ]

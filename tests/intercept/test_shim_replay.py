@@ -30,7 +30,13 @@ def test_replay_reproduces_device_buffers_bit_for_bit(tmp_path: Path) -> None:
     and the host input, replay together, and get the same checksums."""
     with st.Job(tmp_path) as job:
         ps = [
-            job.spawn([str(st.PROGS / "replay"), str(r), "2", str(tmp_path)], f"r{r}", DUMP=str(tmp_path / f"log{r}"))
+            # rank 0 with virtual handles for everything, rank 1 with the default
+            job.spawn(
+                [str(st.PROGS / "replay"), str(r), "2", str(tmp_path)],
+                f"r{r}",
+                DUMP=str(tmp_path / f"log{r}"),
+                JITCKPT_VIRTUAL_HANDLES="all" if r == 0 else "none",
+            )
             for r in range(2)
         ]
         for r, p in enumerate(ps):
@@ -78,7 +84,10 @@ def test_virtual_handles_survive_recreation(tmp_path: Path) -> None:
     communicator re-created with a new unique id; the application's handles
     keep working and a stale handle fails cleanly."""
     with st.Job(tmp_path) as job:
-        ps = [job.spawn([str(st.PROGS / "vhandles"), str(r), "2", str(tmp_path)], f"r{r}") for r in range(2)]
+        ps = [
+            job.spawn([str(st.PROGS / "vhandles"), str(r), "2", str(tmp_path)], f"r{r}", JITCKPT_VIRTUAL_HANDLES="all")
+            for r in range(2)
+        ]
         for r, p in enumerate(ps):
             assert p.wait(timeout=30) == 0, job.output(f"r{r}")
         for r in range(2):

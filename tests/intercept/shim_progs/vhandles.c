@@ -53,8 +53,8 @@ int main(int argc, char **argv) {
   float *buf;
   CK(cudaMalloc((void **)&buf, N * sizeof(float)));
   void *(*phys)(void *) = shim_jitintercept_physical();
-  if (phys(cs) == (void *)cs || phys(comm) == (void *)comm) {
-    fprintf(stderr, "handles are not virtual\n");
+  if (phys(cs) == (void *)cs || phys(ev) == (void *)ev || phys(comm) == (void *)comm) {
+    fprintf(stderr, "handles are not virtual (JITCKPT_VIRTUAL_HANDLES=all?)\n");
     return 10;
   }
   round_trip("initial", comm, cs, ns, ev, buf, rank, nranks, 1);
