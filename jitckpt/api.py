@@ -52,6 +52,7 @@ def _attach_intercept(rt: Runtime) -> None:
         return
     if intercept.loaded():
         intercept.set_hang_handler(rt._on_hang)
+        rt.on_minibatch_begin = intercept.minibatch_begin
 
 
 def register(save_fn: SaveFn, *, shard: str | int | None = None) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save")
 KINDS = ("sigkill", "sigstop", "exception", "hang", "exit")
@@ -63,8 +63,13 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"JITCKPT_FAULT: phase {kv['phase']!r} not one of {PHASES}")
         if kv["kind"] not in KINDS:
             raise ValueError(f"JITCKPT_FAULT: kind {kv['kind']!r} not one of {KINDS}")
-        faults.append(Fault(rank=int(kv["rank"]), step=int(kv.get("step", 0)), phase=kv["phase"],
-                            kind=kv["kind"], attempt=int(kv.get("attempt", 0))))
+        nums = {}
+        for key, default in (("rank", None), ("step", "0"), ("attempt", "0")):
+            raw = kv.get(key, default)
+            if not raw.isdigit():
+                raise ValueError(f"JITCKPT_FAULT: {key}={raw!r} in {part!r} must be a non-negative integer")
+            nums[key] = int(raw)
+        faults.append(Fault(phase=kv["phase"], kind=kv["kind"], **nums))
     return faults
 
 

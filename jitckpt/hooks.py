@@ -51,10 +51,9 @@ def install(rt: Runtime, detect: bool = True) -> None:
     """Attach ``rt``. With ``detect=False`` only phase tracking and fault
     injection are attached (the process behaves as under plain torchrun)."""
     import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(lambda opt, a, k: rt.on_optimizer_pre())
     register_optimizer_step_post_hook(lambda opt, a, k: rt.on_optimizer_post())

@@ -146,7 +146,7 @@ def claim_root(root: Path, job_id: str) -> None:
     if job_file.exists():
         try:
             owner = json.loads(job_file.read_text())["job_id"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             raise CheckpointDirError(
                 f"{job_file} is unreadable or malformed; remove it or pass another --jit-dir"
             ) from None
@@ -165,7 +165,7 @@ def claim_root(root: Path, job_id: str) -> None:
 def read_job_id(root: Path) -> str | None:
     try:
         return json.loads((root / JOB_FILE).read_text())["job_id"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -235,6 +235,14 @@ def verify(path: Path, job_id: str | None = None) -> Replica | str:
         return "no manifest (save did not finish)"
     except (OSError, ValueError) as e:
         return f"unreadable manifest: {e}"
+    try:
+        return _verify_manifest(path, manifest, job_id)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # a damaged manifest must reject this replica, never stop the scan
+        return f"malformed manifest: {e!r}"
+
+
+def _verify_manifest(path: Path, manifest: dict, job_id: str | None) -> Replica | str:
     if manifest.get("format") != FORMAT_VERSION or manifest.get("complete") is not True:
         return "manifest not marked complete"
     if job_id is not None and manifest.get("job_id") != job_id:
@@ -242,7 +250,8 @@ def verify(path: Path, job_id: str | None = None) -> Replica | str:
     files = manifest.get("files") or {}
     present = set(_list_files(path))
     if present != set(files):
-        return f"file set differs from manifest (extra {sorted(present - set(files))}, missing {sorted(set(files) - present)})"
+        return (f"file set differs from manifest (extra {sorted(present - set(files))}, "
+                f"missing {sorted(set(files) - present)})")
     for rel, meta in files.items():
         p = path / rel
         if p.stat().st_size != meta["size"] or sha256_file(p) != meta["sha256"]:

@@ -9,7 +9,9 @@ into a namespace the launcher reads.
 Protocol: a writer takes a sequence number with ``add(<ns>/n, 1)`` and then sets
 ``<ns>/r/<seq>`` to a JSON object. The reader remembers how far it has read and
 polls ``add(<ns>/n, 0)``; a slot whose value is not set yet is retried on the
-next poll (the writer is between its two calls).
+next poll (the writer is between its two calls) and skipped after
+``SLOT_GRACE_S`` (the writer died between them: a report is lost, not the
+reports of every other rank behind it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Reporter:
         self._store.set(f"{self._ns}/r/{seq}", json.dumps(msg))
 
 
+SLOT_GRACE_S = 2.0
+
+
 class ReportReader:
     """Launcher side."""
 
@@ -53,6 +58,7 @@ class ReportReader:
         self._store = store
         self._ns = namespace(token)
         self._next = 1
+        self._waiting_since: float | None = None
 
     def poll(self) -> list[dict]:
         out: list[dict] = []
@@ -60,7 +66,13 @@ class ReportReader:
         while self._next <= last:
             key = f"{self._ns}/r/{self._next}"
             if not self._store.check([key]):
-                break
-            out.append(json.loads(self._store.get(key)))
+                now = time.monotonic()
+                if self._waiting_since is None:
+                    self._waiting_since = now
+                if now - self._waiting_since < SLOT_GRACE_S:
+                    break
+            else:
+                out.append(json.loads(self._store.get(key)))
+            self._waiting_since = None
             self._next += 1
         return out

@@ -37,8 +37,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable
 
 from . import config as _config
 from . import faults as _faults
@@ -91,6 +91,8 @@ class Runtime:
         self._counted = True
         self.reporter = None
         self.on_training_start: Callable[[], None] | None = None
+        # libintercept's replay log is cleared here when the shim is loaded
+        self.on_minibatch_begin: Callable[[], None] | None = None
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.restart_count,
                                          announce=self._announce_fault)
 
@@ -200,11 +202,12 @@ class Runtime:
             self._step_times.append(now - self._step_t)
             del self._step_times[:-50]
         self._step_t = now
-        if self.restored and not self._resumed_reported:
+        if not self._resumed_reported:
             self._resumed_reported = True
-            self.report("resumed", step=self.steps_done - 1)
-        if self.cfg.restart_count == 0 and not self._resumed_reported:
-            self._resumed_reported = True  # nothing to resume from; stop checking
+            if self.cfg.restart_count > 0:  # first minibatch done after a restart
+                self.report("resumed", step=self.steps_done - 1, restored=self.restored)
+        if self.on_minibatch_begin is not None:
+            self.on_minibatch_begin()
 
     # -- triggers ------------------------------------------------------------
 

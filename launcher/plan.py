@@ -263,7 +263,7 @@ def format_table(rows: list[dict[str, float | int]]) -> str:
         )
     widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
     lines = [
-        "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in (header, *body)
+        "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in (header, *body)
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

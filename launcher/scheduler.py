@@ -69,4 +69,7 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
     env = ans.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SchedulerError(f"scheduler hook {path}: 'env' must map strings to strings")
-    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=ans.get("visible_devices"))
+    vis = ans.get("visible_devices")
+    if vis is not None and not isinstance(vis, str):
+        raise SchedulerError(f"scheduler hook {path}: 'visible_devices' must be a string like \"0,2\", got {vis!r}")
+    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis)

@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.d_model, args.layers, 4, args.seq, dropout=0.1)
     ddp = DDP(model)

@@ -6,7 +6,6 @@ Every run is compared bit for bit with a failure-free plain-torchrun run.
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_same_state, jitrun
 
 STEPS = 16
@@ -21,12 +20,14 @@ def _check_recovered(job, reference, nproc: int, failing: int, kind: str, phase:
     rec = job.of("recovery")
     assert len(rec) == 1, job.events()
     assert rec[0]["redone_minibatches"] <= 1, rec
-    # during the optimizer step the replicas run on to the start of the next minibatch
-    expected = FAULT_STEP + 1 if phase == "optimizer" else FAULT_STEP
-    assert rec[0]["restore_step"] == expected, rec
+    # During the optimizer step the replicas run on to the start of the next
+    # minibatch. A rank failing while its all-reduce is in flight may or may not
+    # have delivered its share: the peers then save minibatch i or i+1.
+    expected = {"optimizer": {FAULT_STEP + 1}, "allreduce": {FAULT_STEP, FAULT_STEP + 1}}.get(phase, {FAULT_STEP})
+    assert rec[0]["restore_step"] in expected, rec
     saved = job.of("checkpoint_saved")
     assert saved and all(e["rank"] != failing for e in saved), saved
-    assert {e["step"] for e in saved} == {expected}
+    assert {e["step"] for e in saved} <= expected
     if kind in ("sigstop", "hang"):
         killed = job.of("ranks_killed")
         assert killed and failing in killed[0]["ranks"], job.events()

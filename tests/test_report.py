@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -77,3 +78,15 @@ def test_new_reader_reads_from_the_start(server, client):
     w.send("b")
     ReportReader(server, "tok-replay").poll()
     assert [m["event"] for m in ReportReader(server, "tok-replay").poll()] == ["a", "b"]
+
+
+def test_slot_of_a_dead_writer_is_skipped_after_grace(server, client, monkeypatch):
+    monkeypatch.setattr(report, "SLOT_GRACE_S", 0.2)
+    ns = report.namespace("tok-dead")
+    w = Reporter(client, "tok-dead", rank=1)
+    reader = ReportReader(server, "tok-dead")
+    client.add(f"{ns}/n", 1)  # a writer that died between add() and set()
+    w.send("after")
+    assert reader.poll() == []
+    time.sleep(0.3)
+    assert [m["event"] for m in reader.poll()] == ["after"]

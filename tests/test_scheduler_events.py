@@ -117,8 +117,6 @@ def test_place_exec_bad_env_types(tmp_path, env):
         scheduler.place(spec, FAILURE)
 
 
-@pytest.mark.xfail(strict=True, reason="place() does not validate visible_devices: a non-string is "
-                   "returned and the agent crashes on os.environ['CUDA_VISIBLE_DEVICES'] = [0, 2]")
 @pytest.mark.parametrize("vd", ["[0, 2]", "0"])
 def test_place_exec_bad_visible_devices_type(tmp_path, vd):
     spec = _hook(tmp_path, f"cat >/dev/null; echo '{{\"visible_devices\": {vd}}}'")
