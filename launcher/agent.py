@@ -253,16 +253,24 @@ class JitAgent(LocalElasticAgent):
         f = self._failure
         spec = worker_group.spec
         restart_count = spec.max_restarts - self._remaining_restarts
+        failed_ranks = sorted(
+            ({r for r, c in self._exited.items() if c not in (0, EXIT_SAVED)} | set(f.killed if f else []))
+            - set(f.saved if f else []))
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        local_of = {w.global_rank: w.local_rank for w in worker_group.workers}
+        dev_list = devices.split(",") if devices else []
+        failed_devices = sorted({dev_list[local_of[r]] for r in failed_ranks
+                                 if r in local_of and local_of[r] < len(dev_list)})
         failure = {
             "job_id": self._jit.job_id,
             "restart_count": restart_count,
-            "failed_ranks": sorted(
-                ({r for r, c in self._exited.items() if c not in (0, EXIT_SAVED)} | set(f.killed if f else []))
-                - set(f.saved if f else [])),
+            "failed_ranks": failed_ranks,
+            "failed_devices": failed_devices,
+            "nproc_per_node": spec.local_world_size,
             "reasons": {str(k): v for k, v in (f.reasons if f else {}).items()},
             "restore_step": f.restore_step if f else None,
             "hosts": [os.uname().nodename],
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "devices": devices,
         }
         placement = scheduler.place(self._jit.scheduler, failure)
         if placement.action == "abort":

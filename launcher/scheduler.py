@@ -1,11 +1,12 @@
 """Scheduler hooks: where the restarted job runs.
 
-``local`` (default): restart on this host, same devices minus any a failure
-report blamed. ``exec:PATH``: run PATH, write a JSON failure description to its
+``local`` (default): restart on this host; the failed ranks' devices are
+dropped from CUDA_VISIBLE_DEVICES when enough spares remain. ``exec:PATH``: run PATH, write a JSON failure description to its
 stdin, read a JSON placement from its stdout::
 
-    in : {"job_id", "restart_count", "failed_ranks": [...], "reasons": {rank: why},
-          "restore_step", "hosts": [...], "devices": "0,1,..." | null}
+    in : {"job_id", "restart_count", "failed_ranks": [...], "failed_devices": [...],
+          "nproc_per_node", "reasons": {rank: why}, "restore_step", "hosts": [...],
+          "devices": "0,1,..." (CUDA_VISIBLE_DEVICES) | null}
     out: {"action": "restart" | "abort", "env": {NAME: VALUE, ...},
           "visible_devices": "0,2" (optional, becomes CUDA_VISIBLE_DEVICES)}
 
@@ -50,7 +51,11 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
         bad = set(failure.get("failed_devices") or [])
         if devices and bad:
             keep = [d for d in devices.split(",") if d not in bad]
-            return Placement(visible_devices=",".join(keep) or None)
+            # Only with spares: with fewer devices than workers the restart
+            # could not start at all, so keep the suspect device and let the
+            # JIT restart retry it.
+            if len(keep) >= int(failure.get("nproc_per_node") or 1):
+                return Placement(visible_devices=",".join(keep))
         return Placement()
     path = spec[5:]
     try:

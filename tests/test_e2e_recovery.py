@@ -5,6 +5,8 @@ Every run is compared bit for bit with a failure-free plain-torchrun run.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from conftest import assert_same_state, jitrun
 
@@ -92,3 +94,30 @@ def test_no_restarts_left_fails_like_torchrun(tmp_path):
     assert job.returncode != 0
     # the survivor still left a checkpoint for a later resubmission of the job
     assert job.of("checkpoint_saved")
+
+
+def test_corrupted_replica_is_never_loaded(tmp_path, reference):
+    """Between the JIT save and the restart (inside the scheduler hook), flip a
+    byte in rank 0's checkpoint: the restarted ranks must verify checksums,
+    skip it and load rank 1's replica."""
+    hook = tmp_path / "corrupt.py"
+    hook.write_text(
+        "import json, sys, pathlib\n"
+        "info = json.load(sys.stdin)\n"
+        f"root = pathlib.Path({str(tmp_path / 'jit')!r})\n"
+        "p = root / 'ckpt' / f\"step-{info['restore_step']}\" / 'shard-0' / 'rank-0' / 'state.pt'\n"
+        "b = bytearray(p.read_bytes()); b[len(b) // 2] ^= 0xFF; p.write_bytes(bytes(b))\n"
+        "print(json.dumps({'action': 'restart'}))\n")
+    hook.chmod(0o700)
+    exe = tmp_path / "hook"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {hook}\n")
+    exe.chmod(0o700)
+    job = jitrun(tmp_path, nproc=3, steps=STEPS, extra=["--jit-scheduler", f"exec:{exe}"],
+                 fault=f"rank=2,step={FAULT_STEP},phase=backward,kind=sigkill")
+    assert job.returncode == 0, job.output[-5000:]
+    assert sorted(e["rank"] for e in job.of("checkpoint_saved")) == [0, 1]
+    assert "checksum mismatch in state.pt" in job.output
+    shard = job.jit_dir / "ckpt" / f"step-{FAULT_STEP}" / "shard-0"
+    assert f"resumed from {shard / 'rank-1'}" in job.output
+    assert f"resumed from {shard / 'rank-0'}" not in job.output
+    assert_same_state(reference(3, STEPS), job.out)

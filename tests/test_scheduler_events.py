@@ -186,3 +186,10 @@ def test_summary_no_failures():
     assert events.summary([{"event": "job_start", "t": 1.0}, {"event": "job_end", "t": 2.0}]) != \
         "jitrun: no failures"  # job_end is listed
     assert events.summary([{"event": "job_start", "t": 1.0}]) == "jitrun: no failures"
+
+
+def test_place_local_keeps_suspect_device_without_spares():
+    f = {**FAILURE, "devices": "0,1,2,3", "failed_devices": ["1"], "nproc_per_node": 4}
+    assert scheduler.place("local", f).visible_devices is None
+    f = {**FAILURE, "devices": "0,1,2,3,4", "failed_devices": ["1"], "nproc_per_node": 4}
+    assert scheduler.place("local", f).visible_devices == "0,2,3,4"
