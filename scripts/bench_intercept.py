@@ -31,12 +31,14 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="independent runs; the median run is reported")
     ap.add_argument("--shim", default=str(REPO / "build" / "libjitintercept.so"))
     ap.add_argument("--no-log", action="store_true", help="disable the replay log (JITCKPT_REPLAY_LOG=0)")
+    ap.add_argument("--handles", default="none", help="JITCKPT_VIRTUAL_HANDLES for the run (none/all/...)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON result")
     args = ap.parse_args()
 
     subprocess.run(["make", "-s", "-C", str(REPO / "libintercept"), "shim", "shim-test-progs"], check=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JITCKPT_")}
     env["LD_PRELOAD"] = args.shim
+    env["JITCKPT_VIRTUAL_HANDLES"] = args.handles
     if args.no_log:
         env["JITCKPT_REPLAY_LOG"] = "0"
     bench = str(REPO / "build" / "shim-tests" / "bench")
@@ -52,6 +54,7 @@ def main() -> int:
         "reps": args.reps,
         "runs": args.runs,
         "replay_log": not args.no_log,
+        "virtual_handles": args.handles,
         "direct_ns": {n: sorted(r["direct_ns"][n] for r in runs)[len(runs) // 2] for n in names},
         "added_ns": {n: sorted(r["added_ns"][n] for r in runs)[len(runs) // 2] for n in names},
         "added_ns_all_runs": {n: [r["added_ns"][n] for r in runs] for n in names},
@@ -60,7 +63,10 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         return 0
     log = "on" if result["replay_log"] else "off"
-    print(f"shim overhead per call (stand-in runtime, {args.reps} x 5000 calls, {args.runs} runs, replay log {log})")
+    print(
+        f"shim overhead per call (stand-in runtime, {args.reps} x 5000 calls, {args.runs} runs, "
+        f"replay log {log}, virtual handles: {args.handles})"
+    )
     print(f"{'call':24s} {'stand-in ns':>12s} {'added ns':>10s}  runs")
     for n in names:
         runs_s = " ".join(f"{x:.1f}" for x in result["added_ns_all_runs"][n])

@@ -110,7 +110,6 @@ static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stre
       /* Fig. 3 bookkeeping: which stream the event was last recorded on, so a
        * later cudaStreamWaitEvent can tell whether it guards an NCCL stream. */
       atomic_store_explicit(&ve->rec_stream, (void *)stream, memory_order_relaxed);
-      if (ji_is_nccl_stream(stream)) atomic_store_explicit(&ve->rec_t, ji_now(), memory_order_relaxed);
       /* Not an RMW: concurrent records of one event only need *a* change. */
       atomic_store_explicit(&ve->rec_seq, atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) + 1,
                             memory_order_release);

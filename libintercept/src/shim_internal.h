@@ -86,7 +86,6 @@ typedef struct ji_vh {
   _Atomic(void *) rec_stream;         /* event: app stream handle of the last record */
   _Atomic uint64_t rec_seq;           /* event: bumped on every record */
   struct ji_comm_info *comm;          /* comm: creation record; free-list link */
-  _Atomic double rec_t;               /* event: host time of the last record */
 } ji_vh;
 _Static_assert(sizeof(ji_vh) <= 64, "virtual handle slot must stay one line");
 

@@ -6,7 +6,7 @@
  *    the calling thread records a watchdog-owned event on every stream that
  *    carried NCCL work inside the group;
  *  - application events recorded on an NCCL stream that another stream waits
- *    on (cudaStreamWaitEvent; Fig. 3), with the record time as start.
+ *    on (cudaStreamWaitEvent; Fig. 3), timed from that wait.
  * The watchdog thread polls them with cudaEventQuery every JITCKPT_POLL_MS and
  * every live communicator with ncclCommGetAsyncError. Per stream only the
  * oldest pending entry's clock runs (time spent queued behind an earlier
@@ -252,8 +252,9 @@ void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev) {
   ji_vh *vs = ji_slot(rs);
   e->coll = vs ? (int)atomic_load(&vs->last_coll) : JI_ID_ncclAllReduce;
   e->rank = comm_rank(NULL);
-  double t = atomic_load_explicit(&vev->rec_t, memory_order_relaxed);
-  e->t_enq = e->t_start = t > 0 ? t : ji_now();
+  /* Clock from the wait, not the record: stamping every record would put a
+   * clock read on the hottest path for a difference of microseconds. */
+  e->t_enq = e->t_start = ji_now();
   add_entry(e);
   ji_wd_start();
 }
