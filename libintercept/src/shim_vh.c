@@ -99,11 +99,17 @@ __attribute__((constructor)) static void vh_mode_init(void) {
   }
 }
 
+/* Under LeakSanitizer the arena must be a root: communicator records are
+ * malloc'ed and referenced only from slots. Weak: absent without ASan. */
+extern void __lsan_register_root_region(const void *p, size_t size) __attribute__((weak));
+
 static void vh_init(void) {
   /* NORESERVE: only touched slots cost memory. */
   void *p = mmap(NULL, (size_t)JI_VH_SLOT * JI_VH_MAX, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p != MAP_FAILED) ji_vh_base = (uintptr_t)p;
+  if (p == MAP_FAILED) return;
+  if (__lsan_register_root_region) __lsan_register_root_region(p, (size_t)JI_VH_SLOT * JI_VH_MAX);
+  ji_vh_base = (uintptr_t)p;
 }
 
 ji_vh *ji_vh_alloc(uint32_t kind, void *phys) {
