@@ -66,6 +66,9 @@ static ji_vh *comms[COMMS_MAX];
 static int ncomms;
 
 static _Atomic int wd_started;
+/* Device of the first communicator: the watchdog thread (and so the private
+ * stream and the handler) must run on the rank's device, not device 0. */
+static _Atomic int wd_device = -1;
 static pthread_t wd_thread;
 static _Atomic int fired;
 static _Atomic(void *) priv_stream;
@@ -260,6 +263,11 @@ void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev) {
 }
 
 void ji_wd_comm_add(ji_vh *vc) {
+  if (atomic_load(&wd_device) < 0) {
+    jitabi_cudaGetDevice_fn getdev = (jitabi_cudaGetDevice_fn)ji_sym_in_lib(JI_CUDART, "cudaGetDevice");
+    int dev = -1;
+    if (getdev && getdev(&dev) == cudaSuccess) atomic_store(&wd_device, dev);
+  }
   pthread_mutex_lock(&wd_mu);
   if (ncomms < COMMS_MAX) comms[ncomms++] = vc;
   pthread_mutex_unlock(&wd_mu);
@@ -455,6 +463,9 @@ static void *wd_main(void *arg) {
   sigset_t all;
   sigfillset(&all);
   pthread_sigmask(SIG_BLOCK, &all, NULL);
+  int dev = atomic_load(&wd_device);
+  jitabi_cudaSetDevice_fn setdev = (jitabi_cudaSetDevice_fn)ji_sym_in_lib(JI_CUDART, "cudaSetDevice");
+  if (dev >= 0 && setdev) setdev(dev);
   make_private_stream();
   for (;;) {
     struct timespec ts;
