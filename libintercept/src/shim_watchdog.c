@@ -360,7 +360,10 @@ static void fire(const char *kind, const wentry *e, double waited, int code, con
      * blocking call that will never return. */
     ji_gil_release_parked(0.5);
     ji_tls_trigger = 1;
+    /* The handler's copies are not part of the minibatch being logged. */
+    ji_tls_log_off = 1;
     h(json, atomic_load(&handler_user));
+    ji_tls_log_off = 0;
     ji_tls_trigger = 0;
     atomic_store(&ji_trigger_active, 0);
   }
