@@ -32,6 +32,7 @@ __all__ = [
     "replay",
     "set_hang_handler",
     "stat",
+    "timeout_s",
 ]
 
 _CDEF = """
@@ -45,6 +46,7 @@ void jitintercept_minibatch_begin(void);
 int jitintercept_dump_replay_log(const char *path);
 int jitintercept_replay(void);
 int64_t jitintercept_stat(const char *name);
+double jitintercept_timeout_s(void);
 """
 
 _ffi = cffi.FFI()
@@ -124,6 +126,15 @@ def stat(name: str) -> int:
     """Internal statistic ("triggers", "redirected_memcpy", "gil_released", ...); -1 if unknown."""
     lib = _shim()
     return -1 if lib is None else int(lib.jitintercept_stat(name.encode()))
+
+
+def timeout_s() -> float | None:
+    """The watchdog's current hang timeout in seconds (fixed or adaptive); None without the shim.
+
+    Keep it below the process group's own timeout so the shim detects first.
+    """
+    lib = _shim()
+    return None if lib is None else float(lib.jitintercept_timeout_s())
 
 
 def dump_replay_log(path: str) -> None:

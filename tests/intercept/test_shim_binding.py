@@ -157,12 +157,14 @@ def test_python_binding(tmp_path: Path) -> None:
         "m.minibatch_begin()\n"
         "c = m.counters()\n"
         "m.dump_replay_log(sys.argv[2])\n"
-        "res = {'loaded': m.loaded(), 'n': len(c), 'keys': sorted(c)[:3], 'triggers': m.stat('triggers')}\n"
+        "res = {'loaded': m.loaded(), 'n': len(c), 'keys': sorted(c)[:3], 'triggers': m.stat('triggers'),\n"
+        "       'timeout': m.timeout_s()}\n"
         "print(json.dumps(res))\n"
     )
     args = [sys.executable, "-c", code, str(st.REPO / "jitckpt" / "intercept.py"), str(tmp_path / "log")]
     res = json.loads(subprocess.run(args, env=st.env(leaks=False), capture_output=True, text=True, check=True).stdout)
     assert res["loaded"] and res["n"] == len(_table()) and res["triggers"] == 0
+    assert res["timeout"] == 30.0  # adaptive default floor before any collective
     head = json.loads((tmp_path / "log").read_text().splitlines()[0])
     assert head["records"] == 0 and head["minibatch"] >= 1
     # Without the shim: loaded() is False and counters() is empty.
@@ -174,4 +176,4 @@ def test_python_binding(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert json.loads(out) == {"loaded": False, "n": 0, "keys": [], "triggers": -1}
+    assert json.loads(out) == {"loaded": False, "n": 0, "keys": [], "triggers": -1, "timeout": None}
