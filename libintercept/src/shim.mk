@@ -17,8 +17,12 @@ all: shim
 shim: $(BUILD)/libjitintercept.so
 asan: $(BUILD)/asan/libjitintercept.so
 
-$(BUILD)/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
+$(BUILD)/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS) src/check_table_abi.c
 	@mkdir -p $(dir $@)
+	@if [ -f $(CUDA_INCLUDE)/cuda_runtime_api.h ]; then \
+	  echo "shim: table prototypes vs $(CUDA_INCLUDE)/cuda_runtime_api.h"; \
+	  $(CC) $(CFLAGS) $(SHIM_CPPFLAGS) -I$(CUDA_INCLUDE) -fsyntax-only src/check_table_abi.c; \
+	else echo "shim: no $(CUDA_INCLUDE)/cuda_runtime_api.h, table prototypes checked against abi/ only"; fi
 	$(CC) $(CFLAGS) $(SHIM_CFLAGS) $(SHIM_CPPFLAGS) -o $@ $(SHIM_SRCS) $(SHIM_LDFLAGS)
 
 $(BUILD)/asan/libjitintercept.so: $(SHIM_SRCS) $(SHIM_HDRS)
