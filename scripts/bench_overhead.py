@@ -42,6 +42,18 @@ not favour either side; each pair gives a ratio jitrun/torchrun per metric.
 We report the min/median/max of those ratios; the median is the headline.
 The machine is shared: read single ratios with that in mind, and look at the
 spread.
+
+Because that noise is far above 1%, two measurements that do not depend on
+the machine being quiet follow (``--probe-pairs``, default 4):
+
+* a single-process probe (world size 1, one thread, no launcher): median CPU
+  time of a demo-model training step, plain vs with jitrun's worker runtime
+  installed exactly as jitckpt._bootstrap installs it (hooks, signal watcher,
+  connected reporter), in fresh processes, alternating;
+* the runtime's per-step hook calls alone (on_forward, on_backward,
+  on_optimizer_pre/post in step order), best of 5 x 20000 in that process:
+  the Python work jitckpt adds to every step, in microseconds. It leaves out
+  torch's dispatch of the hooks (a Python frame or a dict lookup each).
 """
 
 from __future__ import annotations
@@ -292,6 +304,16 @@ def summarize(pairs: list[dict]) -> dict:
     return out
 
 
+def summarize_probe(probes: list[dict], step_s: float) -> dict:
+    """Ratios hooked/plain of the probes' CPU per step, and the hook calls'
+    cost as a share of ``step_s`` (the 2-rank torchrun step time)."""
+    ratios = [p["hooked"]["cpu_s"] / p["plain"]["cpu_s"] for p in probes]
+    hook_s = statistics.median(p["hooked"]["hook_s"] for p in probes)
+    return {"pairs": probes, "ratios": ratios, **{f"ratio_{k}": v for k, v in _spread(ratios).items()},
+            "overhead_pct": (statistics.median(ratios) - 1.0) * 100.0,
+            "hook_us": hook_s * 1e6, "hook_pct_of_step": 100.0 * hook_s / step_s}
+
+
 def commands(steps: int, jit_dir: str) -> dict[str, list[str]]:
     py = sys.executable
     train = [TRAIN, "--steps", str(steps), "--log-every", "1"]
@@ -326,17 +348,80 @@ def measure(kind: str, steps: int, warmup: int, workdir: Path, n: int, timeout_s
             "wall_s": log.wall_s}
 
 
+PROBE = """
+import os, statistics, sys, tempfile, time
+import torch, torch.distributed as dist, torch.nn as nn
+from datetime import timedelta
+from torch.nn.parallel import DistributedDataParallel as DDP
+sys.path.insert(0, {scripts!r})
+from demo_train import TinyLM, batch
+import jitckpt
+hooked, steps, warmup = sys.argv[1] == "hooked", int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(1)
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+if hooked:
+    # what jitrun gives a worker; install() is what jitckpt._bootstrap runs first
+    os.environ.update(JITCKPT_DIR=tempfile.mkdtemp(), JITCKPT_TOKEN="probe", JITCKPT_JOB_ID="probe",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1")
+    jitckpt.api.install()
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+torch.manual_seed(0)
+model = TinyLM(256, 64, 2, 4, 32, dropout=0.1)
+ddp = DDP(model)
+opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+jitckpt.register(lambda d: None)
+assert (jitckpt.api._runtime.reporter is not None) == hooked
+cpu, wall = [], []
+for step in range(steps):
+    c0, w0 = time.process_time(), time.perf_counter()
+    x, y = batch(0, step, 0, 8, 32, 256)
+    loss = nn.functional.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    if step >= warmup:
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+hook_s = float("nan")
+if hooked:
+    # the runtime's per-step work alone, in the order a step calls it, best of 5
+    import timeit
+    rt, n = jitckpt.api._runtime, 20000
+    seq = lambda: (rt.on_forward(), rt.on_backward(loss), rt.on_optimizer_pre(), rt.on_optimizer_post())
+    hook_s = min(timeit.repeat(seq, number=n, repeat=5)) / n
+print(statistics.median(cpu), statistics.median(wall), hook_s)
+"""
+
+
+def probe(kind: str, steps: int, warmup: int, timeout_s: float) -> dict:
+    """Median CPU and wall seconds of one training step of the demo model in
+    a single process (world size 1, one thread), with jitrun's worker runtime
+    installed (``hooked``) or not (``plain``); for ``hooked`` also the cost of
+    the runtime's per-step hook calls alone (``hook_s``)."""
+    log = run_timestamped([sys.executable, "-c", PROBE.format(scripts=str(HERE)), kind, str(steps), str(warmup)],
+                          timeout_s=timeout_s)
+    if log.timed_out or log.returncode != 0:
+        tail = "\n".join(line for _, line in log.lines[-20:])
+        raise RuntimeError(f"probe {kind} failed (rc={log.returncode}):\n{tail}")
+    cpu, wall, hook = (float(x) for x in log.lines[-1][1].split())
+    return {"cpu_s": cpu, "wall_s": wall, "hook_s": hook}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=5, help="interleaved torchrun/jitrun pairs (default 5)")
     ap.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
     ap.add_argument("--warmup", type=int, default=20, help="first steps left out of the mean (default 20)")
-    ap.add_argument("--quick", action="store_true", help="2 pairs of 80 steps (~1 minute)")
+    ap.add_argument("--probe-pairs", type=int, default=4,
+                    help="single-process plain/hooked probe pairs (default 4; 0 = skip)")
+    ap.add_argument("--quick", action="store_true", help="2 pairs of 80 steps, 1 probe pair (~1 minute)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is killed")
     args = ap.parse_args(argv)
     if args.quick:
-        args.pairs, args.steps, args.warmup = 2, 80, 10
+        args.pairs, args.steps, args.warmup, args.probe_pairs = 2, 80, 10, 1
     if args.steps < args.warmup + 10:
         ap.error("--steps must be at least --warmup + 10")
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -364,6 +449,17 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     s = summarize(pairs)
     s.update(steps=args.steps, warmup=args.warmup, per_pair=pairs)
+    if args.probe_pairs > 0:
+        say(f"\nsingle process (world size 1, 1 thread), {args.steps} steps: median CPU ms per step, "
+            "plain vs jitrun's worker runtime installed")
+        probes = []
+        for i in range(args.probe_pairs):
+            order = ("plain", "hooked") if i % 2 == 0 else ("hooked", "plain")
+            rec = {"order": list(order), **{k: probe(k, args.steps, args.warmup, args.timeout) for k in order}}
+            probes.append(rec)
+            say(f"{i:>4} {'->'.join(order):<14} plain {rec['plain']['cpu_s'] * 1e3:7.2f}  hooked "
+                f"{rec['hooked']['cpu_s'] * 1e3:7.2f}  ratio {rec['hooked']['cpu_s'] / rec['plain']['cpu_s']:.4f}")
+        s["probe"] = summarize_probe(probes, s["step_s"]["torchrun_median"])
     if args.json:
         print(json.dumps(s, indent=2))
     else:
@@ -372,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
             m = s[metric]
             say(f"{name:<13} ratio jitrun/torchrun: min {m['ratio_min']:.4f}  median {m['ratio_median']:.4f}  "
                 f"max {m['ratio_max']:.4f}  -> overhead {m['overhead_pct']:+.2f}% (median)")
+        if "probe" in s:
+            p = s["probe"]
+            say(f"probe CPU/step ratio hooked/plain: min {p['ratio_min']:.4f}  median {p['ratio_median']:.4f}  "
+                f"max {p['ratio_max']:.4f}  -> {p['overhead_pct']:+.2f}% (median)")
+            say(f"jitckpt's per-step hook calls alone (best of 5 x 20000): {p['hook_us']:.1f} us per step = "
+                f"{p['hook_pct_of_step']:.3f}% of the median 2-rank torchrun step above")
         say("target: < 1%. Shared 2-core machine: the wall-time spread is mostly other processes' load.")
     return 0
 

@@ -90,7 +90,7 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
                 "jitrun": [sys.executable, str(fake), "0.015", str(steps)]}
 
     monkeypatch.setattr(bo, "commands", commands)
-    assert bo.main(["--pairs", "2", "--steps", "60", "--warmup", "10", "--json"]) == 0
+    assert bo.main(["--pairs", "2", "--steps", "40", "--warmup", "5", "--probe-pairs", "0", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["pairs"] == 2 and [p["order"][0] for p in s["per_pair"]] == ["torchrun", "jitrun"], s
     assert 1.35 < s["cpu_per_step_s"]["ratio_median"] < 1.65, s
@@ -142,6 +142,24 @@ def test_orphaned_worker_is_killed_when_the_launcher_exits(tmp_path):
     assert not _alive(child)
     assert log.returncode == 0 or log.timed_out
     assert time.monotonic() - t0 < 20
+
+
+def test_summarize_probe():
+    def rec(plain, hooked):
+        return {"plain": {"cpu_s": plain, "hook_s": float("nan")}, "hooked": {"cpu_s": hooked, "hook_s": 5e-6}}
+
+    p = bo.summarize_probe([rec(0.010, 0.0101), rec(0.010, 0.0099)], step_s=0.025)
+    assert p["ratio_min"] == pytest.approx(0.99) and p["ratio_max"] == pytest.approx(1.01)
+    assert p["hook_us"] == pytest.approx(5.0)
+    assert p["hook_pct_of_step"] == pytest.approx(0.02)
+
+
+@pytest.mark.slow
+def test_probe_runs_with_and_without_the_runtime():
+    """The probe really installs jitrun's worker runtime (it asserts that the
+    reporter is connected) and times its hook calls."""
+    r = bo.probe("hooked", 25, 5, timeout_s=120)
+    assert 0 < r["hook_s"] < 1e-3 and 0 < r["cpu_s"] < 1.0
 
 
 # -- bench_recovery -----------------------------------------------------------------
