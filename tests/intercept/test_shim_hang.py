@@ -33,14 +33,16 @@ def _start(job: st.Job, tmp: Path, nranks: int, per_rank: dict[int, dict[str, st
 
 
 @pytest.mark.parametrize(
-    ("sig", "handles"), [(signal.SIGKILL, "all"), (signal.SIGSTOP, "none")], ids=["SIGKILL", "SIGSTOP"]
+    ("sig", "handles", "nranks"),
+    [(signal.SIGKILL, "all", 3), (signal.SIGSTOP, "none", 4)],
+    ids=["SIGKILL-3ranks", "SIGSTOP-4ranks"],
 )
 def test_dead_or_stopped_rank_makes_every_healthy_rank_report(
-    tmp_path: Path, sig: signal.Signals, handles: str
+    tmp_path: Path, sig: signal.Signals, handles: str, nranks: int
 ) -> None:
     """Both handle modes: virtual handles everywhere, or physical ones with
     shadow records (the default)."""
-    nranks, victim = 3, 1
+    victim = 1
     with st.Job(tmp_path) as job:
         procs = _start(
             job, tmp_path, nranks, JITCKPT_TIMEOUT=str(TIMEOUT), JITCKPT_ON_HANG="exit", JITCKPT_VIRTUAL_HANDLES=handles
