@@ -60,15 +60,17 @@ _callback: Any = None
 
 def _shim() -> Any:
     global _lib, _probed
+    if _probed:  # per-step callers (minibatch_begin) skip the lock
+        return _lib
     with _lock:
         if not _probed:
-            _probed = True
             lib = _ffi.dlopen(None)
             try:
                 if lib.jitintercept_loaded() == 1:
                     _lib = lib
             except AttributeError:
                 _lib = None
+            _probed = True
         return _lib
 
 
