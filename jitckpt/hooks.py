@@ -19,6 +19,7 @@ Each hook costs one attribute check and a function call on the hot path.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from datetime import timedelta
 
@@ -91,7 +92,12 @@ def install(rt: Runtime, detect: bool = True) -> None:
         if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
             setattr(dist, name, _guard(rt, fn))
 
-    rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=rt.cfg.timeout_s))
+    pg_timeout = rt.cfg.timeout_s
+    if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
+        # The shim's watchdog must see an NCCL hang first: PyTorch's own NCCL
+        # watchdog tears the process down at the process-group timeout.
+        pg_timeout = 2 * rt.cfg.timeout_s + 30
+    rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
 
     prev_hook = sys.excepthook
 

@@ -80,7 +80,13 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.d_model, args.layers, 4, args.seq, dropout=0.1)
-    ddp = DDP(model)
+    # Restart-stable gradient bucketing. By default DDP all-reduces everything
+    # in one bucket in the first iteration of every (re)start and re-buckets by
+    # gradient-ready order afterwards; with 3+ ranks gloo's ring then sums some
+    # elements in another order, so a resumed run drifts in the last bits.
+    # find_unused_parameters=True keeps the initial layout for good (no
+    # re-bucketing), making a resumed minibatch bit-identical (README, contract).
+    ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     cursor = {"step": 0, "rng": torch.get_rng_state()}
