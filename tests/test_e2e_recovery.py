@@ -60,7 +60,8 @@ def test_two_consecutive_failures(tmp_path, reference):
     assert job.returncode == 0, job.output[-5000:]
     assert_same_state(reference(2, STEPS), job.out)
     rec = job.of("recovery")
-    assert [r["restore_step"] for r in rec] == [4, 10], rec
+    # the second fault hits during the all-reduce: the peer saves minibatch 10 or 11
+    assert [r["restore_step"] for r in rec] in ([4, 10], [4, 11]), rec
     assert all(r["redone_minibatches"] <= 1 for r in rec)
 
 
