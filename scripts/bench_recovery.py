@@ -102,6 +102,7 @@ class Result:
     identical: bool | None = None
     diffs: list[str] = field(default_factory=list)
     recovery: dict | None = None  # jitrun's events.jsonl record
+    spawn_s: float | None = None  # jitrun: restart -> every new worker process started (python + torch import)
     error: str | None = None
 
     # derived, seconds
@@ -190,6 +191,10 @@ def parse_run(res: Result, log: RunLog, events: list[dict] | None = None) -> Res
         res.ckpt_end_t = max(saved) if saved else res.detect_t
         rec = [e for e in events if e["event"] == "recovery"]
         res.recovery = rec[0] if rec else None
+        restart = [e["t"] for e in events if e["event"] == "restart"]
+        if restart:
+            started = [e["t"] for e in events if e["event"] == "started" and e["t"] > restart[0]]
+            res.spawn_s = max(started) - restart[0] if started else None
     else:
         res.fault_t = res.fault_t_estimate
         agent = [t for t, line in lines if AGENT_FAIL_RE.search(line) and res.fault_t is not None and t >= res.fault_t]
@@ -330,7 +335,8 @@ def jit_records(results: list[Result], target_s: float) -> str:
         ok = "OK" if e["failure_to_resumed_s"] < target_s else "OVER TARGET"
         lines.append(f"  {r.name:<12} {r.fault or '':<45} failure->resumed {e['failure_to_resumed_s']:6.2f}s "
                      f"(detection {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
-                     f"restart->resumed {e['restart_to_resumed_s']:.2f}s) redone {e['redone_minibatches']} "
+                     f"restart->resumed {e['restart_to_resumed_s']:.2f}s, of which new workers up "
+                     f"{_f(r.spawn_s)}s) redone {e['redone_minibatches']} "
                      f"[{ok}: < {target_s:.0f}s]")
     return "\n".join(lines)
 
