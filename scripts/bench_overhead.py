@@ -1,6 +1,6 @@
 """Steady-state cost of jitckpt: the demo LM's step time under jitrun vs plain torchrun.
 
-    python scripts/bench_overhead.py [--pairs 5] [--steps 300] [--json] [--quick]
+    python scripts/bench_overhead.py [--pairs 5] [--steps 200] [--probe-pairs 4] [--json] [--quick]
 
 Both runs execute the same ``scripts/demo_train.py`` (which calls
 ``jitckpt.register`` in both; under plain torchrun jitckpt does nothing), with
@@ -412,7 +412,7 @@ def probe(kind: str, steps: int, warmup: int, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=5, help="interleaved torchrun/jitrun pairs (default 5)")
-    ap.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    ap.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     ap.add_argument("--warmup", type=int, default=20, help="first steps left out of the mean (default 20)")
     ap.add_argument("--probe-pairs", type=int, default=4,
                     help="single-process plain/hooked probe pairs (default 4; 0 = skip)")
