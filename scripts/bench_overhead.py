@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20, help="first steps left out of the mean (default 20)")
     ap.add_argument("--probe-pairs", type=int, default=4,
                     help="single-process plain/hooked probe pairs (default 4; 0 = skip)")
-    ap.add_argument("--quick", action="store_true", help="2 pairs of 80 steps, 1 probe pair (~1 minute)")
+    ap.add_argument("--quick", action="store_true", help="2 pairs of 80 steps, 1 probe pair (~1-1.5 minutes)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is killed")
     args = ap.parse_args(argv)

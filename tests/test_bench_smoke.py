@@ -95,8 +95,9 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
     assert s["pairs"] == 2 and [p["order"][0] for p in s["per_pair"]] == ["torchrun", "jitrun"], s
     assert 1.35 < s["cpu_per_step_s"]["ratio_median"] < 1.65, s
     assert 35 < s["cpu_per_step_s"]["overhead_pct"] < 65, s
-    assert 1.1 < s["step_s"]["ratio_median"] < 2.5, s
-    assert 1.1 < s["step_median_s"]["ratio_median"] < 2.5, s
+    # wall time: only loosely, other load on the machine stretches either side
+    assert 0.7 < s["step_s"]["ratio_median"] < 3.0, s
+    assert 0.7 < s["step_median_s"]["ratio_median"] < 3.0, s
 
 
 def _alive(pid: int) -> bool:
