@@ -367,7 +367,7 @@ if hooked:
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 torch.manual_seed(0)
 model = TinyLM(256, 64, 2, 4, 32, dropout=0.1)
-ddp = DDP(model)
+ddp = DDP(model, find_unused_parameters=True)  # as demo_train builds it
 opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
 jitckpt.register(lambda d: None)
