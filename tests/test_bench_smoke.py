@@ -57,7 +57,9 @@ def test_summarize_ratios_and_overhead():
     def run(x):
         return {"step_s": x, "step_median_s": x, "cpu_per_step_s": 2 * x}
 
-    pairs = [{"torchrun": run(0.100), "jitrun": run(v)} for v in (0.101, 0.099, 0.102)]
+    orders = (["torchrun", "jitrun"], ["jitrun", "torchrun"], ["torchrun", "jitrun"])
+    pairs = [{"torchrun": run(0.100), "jitrun": run(v), "order": o}
+             for v, o in zip((0.101, 0.099, 0.102), orders, strict=True)]
     s = bo.summarize(pairs)
     for metric in bo.METRICS:
         m = s[metric]
@@ -65,6 +67,14 @@ def test_summarize_ratios_and_overhead():
         assert m["ratio_median"] == pytest.approx(1.01)
         assert m["ratio_max"] == pytest.approx(1.02)
         assert m["overhead_pct"] == pytest.approx(1.0)
+        # median of the torchrun-first pairs 1.015, of the jitrun-first one 0.99
+        assert m["ratio_order_balanced"] == pytest.approx((1.015 * 0.99) ** 0.5)
+
+
+def test_order_balanced_needs_both_orders():
+    pairs = [{"torchrun": {m: 1.0 for m in bo.METRICS}, "jitrun": {m: 1.1 for m in bo.METRICS},
+              "order": ["torchrun", "jitrun"]}]
+    assert bo.summarize(pairs)["step_s"]["ratio_order_balanced"] is None
 
 
 FAKE_TRAINER = textwrap.dedent("""
