@@ -432,23 +432,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.intervals, args.repeats = 40, "10", 1
-    intervals = [int(x) for x in args.intervals.split(",") if x.strip()]
-    F = fault_step(args.seed, args.steps)
-    work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="jitckpt-bench-recovery-"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"demo LM, 2 ranks (gloo, CPU), {args.steps} steps, --step-sleep {args.step_sleep}; "
-          f"failure: rank 1 at step {F} (seed {args.seed}), backward pass", flush=True)
     results: list[Result] = []
     if args.reparse:
         work = Path(args.reparse).resolve()
-        args.keep = str(work)
+        args.keep = str(work)  # never delete what we only read
         runs = sorted((p for p in work.iterdir() if (p / "meta.json").exists()), key=lambda p: p.stat().st_mtime)
-        loaded = [analyse(p, *load_run(p)) for p in runs]
+        if not runs:
+            ap.error(f"--reparse: no kept runs (meta.json) under {work}")
         for k, v in json.loads((runs[0] / "meta.json").read_text()).get("args", {}).items():
             setattr(args, k, v)
+        loaded = [analyse(p, *load_run(p)) for p in runs]
         ref = next(r for r in loaded if r.kind == "ref")
         results = [r for r in loaded if r.kind != "ref"]
-        F = results[0].fault_step if results else F
+    else:
+        work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="jitckpt-bench-recovery-"))
+        work.mkdir(parents=True, exist_ok=True)
+    intervals = [int(x) for x in args.intervals.split(",") if x.strip()]
+    F = results[0].fault_step if results else fault_step(args.seed, args.steps)
+    print(f"demo LM, 2 ranks (gloo, CPU), {args.steps} steps, --step-sleep {args.step_sleep}; "
+          f"failure: rank 1 at step {F} (seed {args.seed}), backward pass", flush=True)
     try:
         def go(*a, **k) -> Result:
             r = run_config(*a, args=args, work=work, echo=args.verbose, **k)
