@@ -69,7 +69,8 @@ def is_collective_error(exc: BaseException) -> bool:
         return False
     msg = str(exc)
     return any(m in msg for m in ("third_party/gloo", "gloo/transport", "NCCL", "ProcessGroup",
-                                  "Connection closed by peer", "Timed out waiting"))
+                                  "Connection closed by peer", "Connection reset by peer",
+                                  "Timed out waiting", "Application timeout caused pair closure"))
 
 
 class Runtime:

@@ -23,6 +23,7 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,26 @@ class JitOptions:
     scheduler: str
 
 
+@dataclass
+class _Proc:
+    pid: int
+    poll: Callable[[], int | None]
+    wait: Callable[[], object]
+
+
+def _mp_poll(p) -> Callable[[], int | None]:
+    return lambda: p.exitcode
+
+
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state from /proc/PID/stat (T = stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 class _Failure:
     """Book-keeping for one failure episode."""
 
@@ -58,6 +79,7 @@ class _Failure:
         self.saving: set[int] = set()
         self.done: set[int] = set()  # ranks that will not save (failed, skipped, exited)
         self.reasons: dict[int, str] = {}
+        self.responded: set[int] = set()  # ranks that reported anything since the failure
         self.progress = -1
         self.minibatch_s: list[float] = []
         self.killed: list[int] = []
@@ -79,6 +101,7 @@ class JitAgent(LocalElasticAgent):
         self._pending: _Failure | None = None  # restarted, waiting for "resumed"
         self._exited: dict[int, int] = {}
         self._fault_t: float | None = None
+        self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES"}
 
     # -- store ----------------------------------------------------------------
 
@@ -106,6 +129,8 @@ class JitAgent(LocalElasticAgent):
         f = self._failure
         if f is None:
             return
+        if rank is not None and ev != "fault_injected":
+            f.responded.add(rank)
         if ev == "fault_injected" and f.fault_t is None:
             f.fault_t = m["t"]
         if m.get("minibatch_s"):
@@ -129,12 +154,50 @@ class JitAgent(LocalElasticAgent):
 
     # -- monitoring -------------------------------------------------------------
 
+    def _procs(self, wg: WorkerGroup) -> dict[int, _Proc]:
+        """Global rank -> process, for both of torchrun's process contexts
+        (subprocesses, or forkserver children with the warm start)."""
+        pc = self._pcontext
+        assert pc is not None
+        if hasattr(pc, "subprocess_handlers"):
+            return {wg.workers[lr].global_rank: _Proc(h.proc.pid, h.proc.poll, h.proc.wait)
+                    for lr, h in pc.subprocess_handlers.items()}
+        return {wg.workers[lr].global_rank: _Proc(p.pid, _mp_poll(p), p.join)
+                for lr, p in enumerate(pc._pc.processes)}  # type: ignore[attr-defined]
+
+    def _mp_progress(self, wg: WorkerGroup) -> RunResult:
+        """Success path for forked workers, without MultiprocessContext._poll:
+        its ProcessContext.join(-1) answers any failure by terminating every
+        other worker and waiting for them, which would hang on a stopped rank
+        and race our JIT saves. A forked worker returns its value through a
+        queue and then waits until the parent has read them all."""
+        pc = self._pcontext
+        for lr in range(pc.nprocs):  # type: ignore[union-attr]
+            q = pc._ret_vals[lr]  # type: ignore[union-attr]
+            if lr not in pc._return_values and not q.empty():  # type: ignore[union-attr]
+                pc._return_values[lr] = q.get()  # type: ignore[union-attr]
+        if not pc._is_done():  # type: ignore[union-attr]
+            return RunResult(state=WorkerState.HEALTHY)
+        pc._worker_finished_event.set()  # type: ignore[union-attr]
+        procs = self._procs(wg)
+        for p in procs.values():
+            p.wait()
+        if any(p.poll() != 0 for p in procs.values()):
+            return RunResult(state=WorkerState.HEALTHY)  # a failed exit: the next tick handles it
+        values = {wg.workers[lr].global_rank: v for lr, v in pc._return_values.items()}  # type: ignore[union-attr]
+        pc.close()  # type: ignore[union-attr]
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
     def _exit_codes(self, wg: WorkerGroup) -> dict[int, int | None]:
-        assert self._pcontext is not None
-        codes = {}
-        for lr, h in self._pcontext.subprocess_handlers.items():  # type: ignore[attr-defined]
-            codes[wg.workers[lr].global_rank] = h.proc.poll()
-        return codes
+        return {r: p.poll() for r, p in self._procs(wg).items()}
+
+    def _set_local_rank_env(self, worker_env: dict, local_rank: int, spec) -> None:
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        # Forked (warm) workers carry the environment of job start; what jitrun
+        # changed since (restore step, scheduler placement) goes in explicitly.
+        for k in self._jit_env_keys:
+            if k in os.environ:
+                worker_env[k] = os.environ[k]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         msgs = self._poll(worker_group, absorb=False)
@@ -152,6 +215,8 @@ class JitAgent(LocalElasticAgent):
         for m in msgs:
             self._absorb(m)
         if not failed and not reported:
+            if hasattr(self._pcontext, "_ret_vals"):
+                return self._mp_progress(worker_group)
             if all(c == 0 for c in codes.values()):
                 return super()._monitor_workers(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
@@ -161,11 +226,12 @@ class JitAgent(LocalElasticAgent):
         f = self._failure
         assert f is not None
         deadline = time.monotonic() + self._jit.timeout_s + self._jit.save_timeout_s
-        handlers = {wg.workers[lr].global_rank: h for lr, h in self._pcontext.subprocess_handlers.items()}  # type: ignore[union-attr]
+        handlers = self._procs(wg)
         termed: set[int] = set()
+        termed_at = time.monotonic()
         grace_until: float | None = None
         while True:
-            codes = {r: h.proc.poll() for r, h in handlers.items()}
+            codes = {r: h.poll() for r, h in handlers.items()}
             for r, c in codes.items():
                 if c is not None and r not in self._exited:
                     self._exited[r] = c
@@ -181,7 +247,7 @@ class JitAgent(LocalElasticAgent):
                 if r not in termed:
                     termed.add(r)
                     try:
-                        os.kill(handlers[r].proc.pid, signal.SIGTERM)
+                        os.kill(handlers[r].pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
             if not alive:
@@ -196,10 +262,8 @@ class JitAgent(LocalElasticAgent):
                     grace_until = time.monotonic() + 1.0
                 elif time.monotonic() > grace_until:
                     break
-            elif not any(r in self._shards and r not in f.done for r in alive) and f.saved == {} and not f.saving:
-                # nobody alive can still save (no save_fn registered anywhere alive)
-                if time.monotonic() > deadline - self._jit.save_timeout_s:
-                    break
+            elif not f.saving & set(alive) and not self._may_still_save(f, alive, handlers, termed_at):
+                break  # no complete checkpoint will come; fall back to an older one
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -207,31 +271,48 @@ class JitAgent(LocalElasticAgent):
         # savers that published are exiting on their own; the rest (stopped,
         # hung, still saving an unneeded replica) are killed now
         exit_by = time.monotonic() + 2.0
-        while any(handlers[r].proc.poll() is None for r in f.saved if r in handlers) and time.monotonic() < exit_by:
+        while any(handlers[r].poll() is None for r in f.saved if r in handlers) and time.monotonic() < exit_by:
             time.sleep(0.01)
         for r, h in handlers.items():
-            if h.proc.poll() is None:
+            if h.poll() is None:
                 f.killed.append(r)
                 try:
-                    os.kill(h.proc.pid, signal.SIGKILL)
+                    os.kill(h.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         if f.killed:
             self._events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
         for h in handlers.values():
-            h.proc.wait()
+            h.wait()
         self._poll(wg)
         if f.ckpt_done_t is None and f.saved:
             f.ckpt_done_t = time.time()
         self._choose_restore(f)
         failures = {}
-        for lr, h in self._pcontext.subprocess_handlers.items():  # type: ignore[union-attr]
-            code = h.proc.returncode
+        local_of = {w.global_rank: w.local_rank for w in wg.workers}
+        for r, h in handlers.items():
+            code = h.poll()
             if code != 0:
-                failures[wg.workers[lr].global_rank] = ProcessFailure(
-                    local_rank=lr, pid=h.proc.pid, exitcode=code,
-                    error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
+                lr = local_of[r]
+                failures[r] = ProcessFailure(local_rank=lr, pid=h.pid, exitcode=code,
+                                             error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _may_still_save(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
+        """Could a live rank still publish a checkpoint? Not one without a
+        save_fn, one that is stopped, or one that has said nothing since it was
+        asked to save (a healthy rank answers at once from its watcher thread;
+        a rank hung holding the GIL never does)."""
+        grace = max(2.0, min(self._jit.timeout_s, 10.0))
+        for r in alive:
+            if r not in self._shards or r in f.done or r in f.saved:
+                continue
+            if _proc_state(procs[r].pid) == "T":
+                continue
+            if r not in f.responded and time.monotonic() - since > grace:
+                continue
+            return True
+        return False
 
     def _choose_restore(self, f: _Failure) -> None:
         replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
@@ -279,6 +360,7 @@ class JitAgent(LocalElasticAgent):
             self._stop_workers(worker_group)
             raise RuntimeError("jitrun: scheduler hook asked to abort the job")
         os.environ.update(placement.env)
+        self._jit_env_keys.update(placement.env)
         if placement.visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
         self._exited.clear()

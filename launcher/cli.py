@@ -39,6 +39,10 @@ def _parser():
                    help="scheduler hook: 'local' or 'exec:/path/to/program' (JSON in, JSON out)")
     g.add_argument("--jit-intercept", choices=("auto", "on", "off"), default="auto",
                    help="LD_PRELOAD libjitintercept into workers: auto = when CUDA devices are visible")
+    g.add_argument("--jit-warm-start", choices=("on", "off"), default="off",
+                   help="experimental: fork workers from a server with torch already imported, so a "
+                        "restart does not pay for Python and torch start-up (default off: `python -u` "
+                        "processes like torchrun; never with --no-python, --run-path or libintercept)")
     return p
 
 
@@ -106,7 +110,8 @@ def run(args) -> int:
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
     os.environ.pop("JITCKPT_RESTORE_STEP", None)
-    if _want_intercept(args.jit_intercept):
+    intercept = _want_intercept(args.jit_intercept)
+    if intercept:
         lib = _intercept_lib()
         if lib is None:
             print("jitrun: warning: libjitintercept.so not found (run `make build` or set "
@@ -127,10 +132,18 @@ def run(args) -> int:
 
     config, cmd, cmd_args = config_from_args(args)
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
-        # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
-        cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
         pypath = str(Path(__file__).resolve().parent.parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
+        if args.jit_warm_start == "on" and not intercept:
+            # CUDA and fork do not mix: the GPU path keeps fresh processes.
+            from . import warm
+
+            warm.start_server()
+            cmd, cmd_args = warm.worker_main, cmd_args[1:]  # drop "-u"
+            config.start_method = "forkserver"
+        else:
+            # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
+            cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
 
     from .launch import launch
 

@@ -1,8 +1,9 @@
 """Scheduler hooks: where the restarted job runs.
 
 ``local`` (default): restart on this host; the failed ranks' devices are
-dropped from CUDA_VISIBLE_DEVICES when enough spares remain. ``exec:PATH``: run PATH, write a JSON failure description to its
-stdin, read a JSON placement from its stdout::
+dropped from CUDA_VISIBLE_DEVICES when enough spares remain. ``exec:PATH``:
+run PATH, write a JSON failure description to its stdin, read a JSON
+placement from its stdout::
 
     in : {"job_id", "restart_count", "failed_ranks": [...], "failed_devices": [...],
           "nproc_per_node", "reasons": {rank: why}, "restore_step", "hosts": [...],
