@@ -144,6 +144,12 @@ int main(int argc, char **argv) {
     if (it % 50 == 0 || it == iters) {
       NCK(cudaMemcpyAsync(host, buf, N * sizeof(float), cudaMemcpyDeviceToHost, cs));
       NCK(cudaStreamSynchronize(cs));
+      /* As PyTorch does: an aborted collective completes on the stream with
+       * the communicator's async error set and its buffer undefined, so the
+       * error is checked before the values. */
+      ncclResult_t aerr_ = ncclSuccess;
+      NCK(ncclCommGetAsyncError(comm, &aerr_));
+      NCK(aerr_);
       /* sum over ranks of (it%13 + r), times nranks again if the sync all-reduce ran */
       float s = 0;
       for (int r = 0; r < nranks; r++) s += (float)(it % 13 + r);
