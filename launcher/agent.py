@@ -96,7 +96,6 @@ class JitAgent(LocalElasticAgent):
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
         self._shards: dict[int, str] = {}  # global rank -> shard, from "registered"
-        self._pids: dict[int, int] = {}
         self._failure: _Failure | None = None
         self._pending: _Failure | None = None  # restarted, waiting for "resumed"
         self._exited: dict[int, int] = {}
