@@ -44,7 +44,7 @@ def install() -> Runtime:
 def _attach_intercept(rt: Runtime) -> None:
     # With libintercept preloaded (GPU path) its watchdog detects NCCL hangs
     # and calls back into the runtime holding the GIL.
-    if "libjitintercept" not in os.environ.get("LD_PRELOAD", ""):
+    if not config.shim_preloaded():
         return
     try:
         from . import intercept

@@ -13,6 +13,11 @@ EXIT_NOT_SAVED = 76  # a failure was detected but no consistent state could be s
 DEFAULT_TIMEOUT_S = 120.0
 
 
+def shim_preloaded() -> bool:
+    """jitrun put libintercept into this worker (the GPU path)."""
+    return "libjitintercept" in os.environ.get("LD_PRELOAD", "")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     root: Path | None  # jit dir; None when not launched by jitrun

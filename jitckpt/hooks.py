@@ -19,10 +19,10 @@ Each hook costs one attribute check and a function call on the hot path.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from datetime import timedelta
 
+from .config import shim_preloaded
 from .runtime import Runtime, is_collective_error
 
 _COLLECTIVES = (
@@ -93,7 +93,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
             setattr(dist, name, _guard(rt, fn))
 
     pg_timeout = rt.cfg.timeout_s
-    if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
+    if shim_preloaded():
         # The shim's watchdog must see an NCCL hang first: PyTorch's own NCCL
         # watchdog tears the process down at the process-group timeout.
         pg_timeout = 2 * rt.cfg.timeout_s + 30

@@ -1,9 +1,10 @@
 """The job timeline, ``<jit dir>/events.jsonl``: one JSON object per line.
 
-Events (all carry ``t``, unix seconds): job_start, fault_injected,
+Events (all carry ``t``, unix seconds): job_start, started (a worker is up),
+fault_injected,
 failure_detected, worker_exit, save_started, checkpoint_saved,
 checkpoint_failed, checkpoint_skipped, ranks_killed, no_jit_checkpoint,
-restart, resumed, recovery (the per-failure summary: detection_s,
+restart, job_abort, resumed, recovery (the per-failure summary: detection_s,
 checkpoint_s, restart_to_resumed_s, failure_to_resumed_s, restore_step,
 progress_step, redone_minibatches, minibatch_s), job_end.
 """
