@@ -1,27 +1,44 @@
 # jitckpt: two commands on a fresh machine: `make demo` and `make test`.
 # Every target installs what it needs and is safe to re-run.
-PY ?= python3
-PIP ?= $(PY) -m pip
+#
+# Python runs from a virtual environment of the project's own (.venv, made from
+# the python3 on PATH) unless one is already active: Debian's system python3
+# refuses `pip install` (PEP 668).
+ifdef VIRTUAL_ENV
+VENV := $(VIRTUAL_ENV)
+else
+VENV := $(CURDIR)/.venv
+endif
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
 BUILD := $(CURDIR)/build
 PYTEST_ARGS ?=
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+# jitrun and the tests' subprocesses find the venv's tools first
+export PATH := $(VENV)/bin:$(PATH)
 
 .PHONY: all setup build test test-fast test-asan lint demo bench clean
 all: build
 
-# Toolchain from Debian when missing; Python deps (torch pinned to the local CPU
-# wheel) into the current interpreter. Stamped so re-runs cost nothing.
-.stamp-setup: pyproject.toml
+# Debian's python3-venv (ensurepip) and the C toolchain when missing.
+$(VENV)/bin/python:
+	@python3 -c 'import ensurepip, venv' 2>/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq python3-venv; }
+	python3 -m venv $(VENV)
+
+# Python deps (torch pinned to the local CPU wheel) into the venv. Stamped so
+# re-runs cost nothing.
+$(VENV)/.stamp-setup: pyproject.toml | $(VENV)/bin/python
 	@command -v cc >/dev/null && command -v make >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq build-essential; }
 	$(PIP) install -q -e '.[test,bench]'
 	@touch $@
-setup: .stamp-setup
+setup: $(VENV)/.stamp-setup
 
-build: .stamp-setup
+build: setup
 	$(MAKE) -C libintercept BUILD=$(BUILD) all test-progs
 
-lint: .stamp-setup
+lint: setup
 	$(PY) -m ruff check jitckpt launcher scripts tests
 
 test: build
@@ -46,4 +63,4 @@ bench: build
 	$(PY) scripts/bench_recovery.py
 
 clean:
-	rm -rf build .stamp-setup demo_runs
+	rm -rf build demo_runs
