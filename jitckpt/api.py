@@ -89,6 +89,7 @@ def get_checkpoint_path() -> str | None:
     """Directory of the newest complete replica checkpoint for this rank's
     shard, verified against its manifest checksums, or None."""
     rt = _get_runtime()
+    rt.loaded = "fresh"  # asked; replaced by the step below when one is found
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():
         return None
@@ -102,6 +103,9 @@ def get_checkpoint_path() -> str | None:
         step = int(env_step)
     else:
         step = layout.select_step(replicas, {r.shard for r in replicas})
+    if step is not None and rt.injector.take_stale_restore():
+        # test fault: load the newest older step (the consistency check must refuse it)
+        step = layout.select_step(replicas, {rt.shard}, max_step=step - 1)
     if step is None:
         return None
     rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
@@ -109,4 +113,5 @@ def get_checkpoint_path() -> str | None:
         return None
     rt.steps_done = rep.step
     rt.restored = True
+    rt.loaded = rep.step
     return str(rep.path)

@@ -9,6 +9,7 @@ from pathlib import Path
 # Exit codes of a worker that handled a failure (documented in README).
 EXIT_SAVED = 75  # a JIT checkpoint was published, the worker stopped on purpose
 EXIT_NOT_SAVED = 76  # a failure was detected but no consistent state could be saved
+EXIT_DIVERGED = 77  # ranks loaded different checkpoint steps: refused before any training step
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -30,6 +31,7 @@ class WorkerConfig:
     restore_step: int | None
     store_addr: tuple[str, int] | None
     fault_spec: str
+    attempt: int = 0  # job-wide (the rendezvous round under jitrun), same on every node
 
     @property
     def managed(self) -> bool:
@@ -51,6 +53,7 @@ def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
         rank=int(env.get("RANK", "0")),
         world_size=int(env.get("WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        attempt=int(env.get("JITCKPT_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or "0"),
         restore_step=int(restore) if restore.strip().isdigit() else None,
         store_addr=addr,
         fault_spec=env.get("JITCKPT_FAULT", ""),

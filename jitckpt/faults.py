@@ -9,11 +9,16 @@ keys:
   rank     global rank that fails (required)
   step     minibatch index (0-based global step) at which it fires; not used
            for phase=save (fires on that rank's first JIT save). Default 0.
-  phase    forward | backward | allreduce | optimizer | save
-  kind     sigkill | sigstop | exception | hang | exit
-           (hang = blocks forever while holding the GIL; exit = os._exit(13))
-  attempt  restart count (TORCHELASTIC_RESTART_COUNT) on which it fires;
-           default 0, so a recovered job does not fail again at the same point.
+  phase    forward | backward | allreduce | optimizer | save | restore
+  kind     sigkill | sigstop | exception | hang | exit | stale
+           (hang = blocks forever while holding the GIL; exit = os._exit(13);
+           stale, only with phase=restore: get_checkpoint_path() returns the
+           newest replica *older* than the chosen step, which the job-wide
+           consistency check must refuse)
+  attempt  job-wide attempt on which it fires (the rendezvous round under
+           jitrun, the same on every node; TORCHELASTIC_RESTART_COUNT
+           otherwise); default 0, so a recovered job does not fail again at
+           the same point.
 
 Each spec fires at most once per process.
 """
@@ -26,8 +31,8 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "save")
-KINDS = ("sigkill", "sigstop", "exception", "hang", "exit")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore")
+KINDS = ("sigkill", "sigstop", "exception", "hang", "exit", "stale")
 EXIT_INJECTED = 13
 
 
@@ -69,6 +74,8 @@ def parse(spec: str) -> list[Fault]:
             if not raw.isdigit():
                 raise ValueError(f"JITCKPT_FAULT: {key}={raw!r} in {part!r} must be a non-negative integer")
             nums[key] = int(raw)
+        if (kv["kind"] == "stale") != (kv["phase"] == "restore"):
+            raise ValueError(f"JITCKPT_FAULT: kind=stale goes with phase=restore and only with it, in {part!r}")
         faults.append(Fault(phase=kv["phase"], kind=kv["kind"], **nums))
     return faults
 
@@ -108,9 +115,18 @@ class Injector:
 
     def armed(self, phase: str, step: int) -> Fault | None:
         for f in self.pending:
-            if not f.fired and f.phase == phase and (phase == "save" or f.step == step):
+            if not f.fired and f.phase == phase and (phase in ("save", "restore") or f.step == step):
                 return f
         return None
+
+    def take_stale_restore(self) -> bool:
+        f = self.armed("restore", 0) if self.pending else None
+        if f is None or f.kind != "stale":
+            return False
+        f.fired = True
+        if self._announce is not None:
+            self._announce(f)
+        return True
 
     def fire(self, f: Fault, step: int) -> None:
         f.fired = True

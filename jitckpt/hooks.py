@@ -83,7 +83,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
             raise
 
     torch.autograd.backward = backward
-    _isolate_attempts(rt.cfg.restart_count)
+    _isolate_attempts(rt.cfg.attempt)
     if not detect:
         return
 

@@ -151,9 +151,19 @@ def claim_root(root: Path, job_id: str) -> None:
                 f"{job_file} is unreadable or malformed; remove it or pass another --jit-dir"
             ) from None
         if owner != job_id:
+            try:
+                steps = sorted(int(m.group(1)) for e in os.scandir(root / "ckpt")
+                               if (m := _STEP_RE.match(e.name)))
+            except OSError:
+                steps = []
+            held = ""
+            if steps:
+                shown = ", ".join(map(str, steps[-5:]))
+                held = (f" and holds its checkpoints (step{'s' if len(steps) > 1 else ''} "
+                        f"{'..., ' if len(steps) > 5 else ''}{shown})")
             raise CheckpointDirError(
-                f"jit dir {str(root)!r} holds checkpoints of job {owner!r}, not of this job "
-                f"{job_id!r}; pass a fresh --jit-dir, or --rdzv-id {owner} to resume that job"
+                f"jit dir {str(root)!r} belongs to job {owner!r} (its {JOB_FILE}){held}, not to "
+                f"this job {job_id!r}; pass a fresh --jit-dir, or --rdzv-id {owner} to resume that job"
             )
         return
     atomic_write_bytes(

@@ -54,10 +54,12 @@ SLOT_GRACE_S = 2.0
 class ReportReader:
     """Launcher side."""
 
-    def __init__(self, store, token: str) -> None:
+    def __init__(self, store, token: str, from_now: bool = False) -> None:
         self._store = store
         self._ns = namespace(token)
-        self._next = 1
+        # an agent that joins a running job (a replacement) skips the reports
+        # of rounds it was not part of
+        self._next = self._store.add(f"{self._ns}/n", 0) + 1 if from_now else 1
         self._waiting_since: float | None = None
 
     def poll(self) -> list[dict]:

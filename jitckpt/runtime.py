@@ -90,11 +90,13 @@ class Runtime:
         self._step_times: list[float] = []
         self._resumed_reported = False
         self._counted = True
+        self._checked = False
         self.reporter = None
         self.on_training_start: Callable[[], None] | None = None
         # libintercept's replay log is cleared here when the shim is loaded
         self.on_minibatch_begin: Callable[[], None] | None = None
-        self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.restart_count,
+        self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
+        self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
                                          announce=self._announce_fault)
 
     # -- reporting --------------------------------------------------------
@@ -105,7 +107,7 @@ class Runtime:
         from .report import Reporter, connect
 
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
-        self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count)
+        self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt)
 
     def report(self, event: str, **fields) -> None:
         if self.reporter is None:
@@ -118,12 +120,30 @@ class Runtime:
     def _announce_fault(self, f: _faults.Fault) -> None:
         self.report("fault_injected", step=self.steps_done, phase=f.phase, kind=f.kind)
 
+    def _check_same_state(self) -> None:
+        """Before the first training step: every rank loaded the same step, or
+        the job stops here (exit EXIT_DIVERGED, which jitrun never restarts)."""
+        from .consistency import StateDivergence, check_loaded
+
+        try:
+            loaded = check_loaded(self.reporter._store, self.cfg.token, self.cfg.attempt, self.cfg.rank,
+                                  self.cfg.world_size, self.loaded, timeout_s=max(600.0, self.cfg.timeout_s))
+        except StateDivergence as e:
+            self.report("state_divergence", loaded={str(k): v for k, v in e.loaded.items()}, error=str(e))
+            print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
+            os._exit(_config.EXIT_DIVERGED)
+        if self.loaded is not None:
+            self.report("loaded", loaded=self.loaded, ranks_asked=sum(v is not None for v in loaded.values()))
+
     def minibatch_s(self) -> float | None:
         return statistics.median(self._step_times) if self._step_times else None
 
     # -- phase hooks (main thread) -----------------------------------------
 
     def _training_started(self) -> None:
+        if self.reporter is not None and not self._checked:
+            self._checked = True
+            self._check_same_state()
         if self.on_training_start is not None:
             fn, self.on_training_start = self.on_training_start, None
             fn()
@@ -205,7 +225,7 @@ class Runtime:
         self._step_t = now
         if not self._resumed_reported:
             self._resumed_reported = True
-            if self.cfg.restart_count > 0:  # first minibatch done after a restart
+            if self.cfg.attempt > 0:  # first minibatch done after a restart
                 self.report("resumed", step=self.steps_done - 1, restored=self.restored)
         if self.on_minibatch_begin is not None:
             self.on_minibatch_begin()

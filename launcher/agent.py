@@ -10,21 +10,28 @@ failure report through the store):
 2. waits until every shard has a complete checkpoint from this failure, all
    savers are done, or ``timeout + save_timeout`` passed,
 3. SIGKILLs whatever is still running (stopped or hung ranks) at once,
-4. picks the restore step (newest step complete for every shard, else the
-   newest older one), asks the scheduler hook where to run, and hands back to
-   torchrun's restart loop (which honours --max-restarts).
+4. posts its node's inventory of replicas and takes the job-wide restore
+   decision (``decide``: one for the whole job, made through the rendezvous
+   store once every node has answered), asks the scheduler hook where to run,
+   and hands back to torchrun's restart loop (which honours --max-restarts);
+5. before starting workers, fetches any replica of the chosen step that this
+   node lacks from a node that has it (``transfer``).
 
-Runs only in the agent's main thread; no locks.
+Runs in the agent's main thread, except ``transfer.ReplicaServer`` (its own
+thread and store connection, reading replica files only); no shared state
+between them, so no locks.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -32,10 +39,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from jitckpt import layout
-from jitckpt.config import EXIT_SAVED
+from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
-from . import scheduler
+from . import decide, rdzv, scheduler, transfer
 from .events import EventLog
 
 
@@ -47,6 +54,7 @@ class JitOptions:
     timeout_s: float
     save_timeout_s: float
     scheduler: str
+    command: list[str] = field(default_factory=list)  # this agent's argv, to start a replacement
 
 
 @dataclass
@@ -54,6 +62,10 @@ class _Proc:
     pid: int
     poll: Callable[[], int | None]
     wait: Callable[[], object]
+
+
+def _default_addr() -> str:
+    return socket.getfqdn()
 
 
 def _mp_poll(p) -> Callable[[], int | None]:
@@ -86,6 +98,8 @@ class _Failure:
         self.restore_step: int | None = None
         self.restart_t: float | None = None
         self.ckpt_done_t: float | None = None
+        self.handling_since = time.monotonic()
+        self.diverged = False  # ranks loaded different states: never train on
 
 
 class JitAgent(LocalElasticAgent):
@@ -100,14 +114,27 @@ class JitAgent(LocalElasticAgent):
         self._pending: _Failure | None = None  # restarted, waiting for "resumed"
         self._exited: dict[int, int] = {}
         self._fault_t: float | None = None
-        self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES"}
+        self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES", "JITCKPT_ATTEMPT"}
+        addr = self._worker_group.spec.local_addr or _default_addr()
+        self._node = decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=os.uname().nodename, addr=addr)
+        events.node = self._node.node_id
+        self._round = 0
+        self._local_ranks: set[int] = set()
+        self._coord: decide.Coordinator | None = None
+        self._server: transfer.ReplicaServer | None = None
+        self._decision: decide.Decision | None = None
+        self._spare_seen = False
+        handler = self._worker_group.spec.rdzv_handler
+        rdzv.install(handler, on_spare=self._on_spare,
+                     healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
 
     # -- store ----------------------------------------------------------------
 
     def _poll(self, wg: WorkerGroup, absorb: bool = True) -> list[dict]:
         addr = (wg.master_addr, wg.master_port)
         if self._reader is None or addr != self._store_addr:
-            self._reader = ReportReader(connect(*addr), self._jit.token)
+            self._reader = ReportReader(connect(*addr), self._jit.token,
+                                        from_now=self._reader is None and self._round > 0)
             self._store_addr = addr
         msgs = self._reader.poll()
         if absorb:
@@ -120,11 +147,16 @@ class JitAgent(LocalElasticAgent):
         if ev == "registered":
             self._shards[rank] = m["shard"]
             return
+        # every node reads every rank's reports (the job's decisions need
+        # them) but writes only its own ranks' to its timeline
+        local = rank is None or rank in self._local_ranks
         if ev == "resumed":
-            self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
+            if local:
+                self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
             self._on_resumed(m)
             return
-        self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
+        if local:
+            self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
         f = self._failure
         if f is None:
             return
@@ -150,6 +182,77 @@ class JitAgent(LocalElasticAgent):
         elif ev in ("checkpoint_failed", "checkpoint_skipped"):
             f.saving.discard(rank)
             f.done.add(rank)
+
+    # -- rendezvous and start -----------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        handler = worker_group.spec.rdzv_handler
+        self._round = rdzv.current_round(handler) or 0
+        # the job-wide attempt: the same on every node, also on a replacement
+        # whose own restart count starts at 0
+        os.environ["JITCKPT_ATTEMPT"] = str(self._round)
+        self._local_ranks = {w.global_rank for w in worker_group.workers}
+        store = rdzv.coordination_store(handler)
+        if store is not None:
+            if self._coord is None:
+                self._coord = decide.Coordinator(store, self._jit.token, self._node)
+                self._server = transfer.ReplicaServer(store, self._jit.token, self._node.node_id,
+                                                      self._jit.root, self._jit.job_id).start()
+            self._coord.announce(self._round, worker_group.group_rank)
+        self._events.emit("rendezvous", round=self._round, group_rank=worker_group.group_rank,
+                          group_world_size=worker_group.group_world_size,
+                          ranks=sorted(self._local_ranks), host=self._node.host, addr=self._node.addr)
+        self._poll(worker_group)  # connect the report reader before this round's workers report
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        self._prepare_restore()
+        return super()._start_workers(worker_group)
+
+    def _prepare_restore(self) -> None:
+        """Make the job's restore step and its replicas present on this node.
+
+        The newest decision in the store is the job's, also for an agent that
+        joined after the failure (a replacement or a spare)."""
+        if self._coord is None:
+            return
+        d = self._coord.latest()
+        if d is None:
+            return
+        self._decision = d
+        os.environ["JITCKPT_RESTORE_STEP"] = "none" if d.step is None else str(d.step)
+        if d.step is None:
+            return
+        need = sorted({d.shard_of_rank.get(str(r)) for r in self._local_ranks} - {None}) or d.shards
+        for shard in need:
+            t0 = time.monotonic()
+            path, errors, fetched = transfer.ensure_local(
+                self._coord.store, self._jit.token, root=self._jit.root, job_id=self._jit.job_id, step=d.step,
+                shard=shard, sources=d.sources.get(shard, []), self_node=self._node.node_id,
+                timeout_s=self._jit.save_timeout_s)
+            for e in errors:
+                self._events.emit("replica_fetch_failed", step=d.step, shard=shard, error=e)
+            if path is None:
+                print(f"jitrun: no copy of step {d.step} shard {shard} could be brought to this node "
+                      f"({'; '.join(errors) or 'no source'}); its ranks will refuse to start", file=sys.stderr,
+                      flush=True)
+            elif fetched is not None:
+                self._events.emit("replica_fetched", step=d.step, shard=shard, path=str(path), source=fetched,
+                                  bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+                                  seconds=round(time.monotonic() - t0, 3))
+
+    def close(self) -> bool:
+        """End the replica server thread before the interpreter exits; False
+        if it would not stop (the caller then leaves with os._exit)."""
+        if self._server is None or self._coord is None:
+            return True
+        return self._server.stop(self._coord.store)
+
+    def _on_spare(self, n: int) -> None:
+        if not self._spare_seen:
+            self._spare_seen = True
+            self._events.emit("spare_waiting", nodes=n)
+            print(f"jitrun: {n} node(s) waiting to join; kept as spare(s) until a failure", flush=True)
 
     # -- monitoring -------------------------------------------------------------
 
@@ -208,6 +311,8 @@ class JitAgent(LocalElasticAgent):
             if m["event"] == "fault_injected":
                 self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
         reported = any(m["event"] == "failure_detected" for m in msgs)
+        if not failed and not reported and self._coord is not None and self._coord.failed(self._round):
+            reported = True  # another node's agent is handling a failure of this round
         if failed or reported:
             self._failure = _Failure(time.time())
             self._failure.fault_t, self._fault_t = self._fault_t, None
@@ -225,6 +330,8 @@ class JitAgent(LocalElasticAgent):
         f = self._failure
         assert f is not None
         deadline = time.monotonic() + self._jit.timeout_s + self._jit.save_timeout_s
+        if self._coord is not None:
+            self._coord.handling(self._round)
         handlers = self._procs(wg)
         termed: set[int] = set()
         termed_at = time.monotonic()
@@ -239,6 +346,8 @@ class JitAgent(LocalElasticAgent):
                                       signal=signal.Signals(-c).name if c < 0 else None)
                     if c != EXIT_SAVED:
                         f.reasons.setdefault(r, f"exit {c}")
+                    if c == EXIT_DIVERGED:
+                        f.diverged = True
             alive = [r for r, c in codes.items() if c is None]
             # Ask live workers to save now instead of waiting for their collectives
             # to time out; a stopped rank keeps it pending and is killed below.
@@ -286,7 +395,15 @@ class JitAgent(LocalElasticAgent):
         self._poll(wg)
         if f.ckpt_done_t is None and f.saved:
             f.ckpt_done_t = time.time()
-        self._choose_restore(f)
+        if f.diverged:
+            self._remaining_restarts = 0
+            self._events.emit("job_abort", why="ranks loaded different checkpoint steps")
+            print("jitrun: ABORT: the ranks of this job loaded different checkpoint steps (see the workers' "
+                  "'state divergence' lines); no training step was taken and the job is not restarted. "
+                  "Check that every node sees the same jit dir contents or can reach the others.",
+                  file=sys.stderr, flush=True)
+        else:
+            self._choose_restore(f, wg)
         failures = {}
         local_of = {w.global_rank: w.local_rank for w in wg.workers}
         for r, h in handlers.items():
@@ -313,11 +430,20 @@ class JitAgent(LocalElasticAgent):
             return True
         return False
 
-    def _choose_restore(self, f: _Failure) -> None:
-        replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
-        shards = set(self._shards.values()) | {r.shard for r in replicas} or {"0"}
-        step = layout.select_step(replicas, shards)
+    def _choose_restore(self, f: _Failure, wg: WorkerGroup) -> None:
         jit_steps = {int(m["step"]) for m in f.saved.values()}
+        if self._coord is None:  # a backend without a store (static): this node's disk is all we know
+            replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
+            shards = set(self._shards.values()) | {r.shard for r in replicas} or {"0"}
+            step = layout.select_step(replicas, shards)
+        else:
+            d = self._decide(f, wg)
+            step = d.step
+            # saved after this failure was seen, on any node (this agent may
+            # not have read the other nodes' reports yet)
+            if step is not None and any(src.get("saved_at", 0.0) >= f.detected_t - 1.0
+                                        for srcs in d.sources.values() for src in srcs):
+                jit_steps.add(step)
         if step is None or step not in jit_steps:
             self._events.emit("no_jit_checkpoint", fallback_step=step,
                               why="no shard-complete checkpoint from this failure")
@@ -326,6 +452,33 @@ class JitAgent(LocalElasticAgent):
                   flush=True)
         f.restore_step = step
         os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
+
+    def _decide(self, f: _Failure, wg: WorkerGroup) -> decide.Decision:
+        """The job-wide decision for this failure: post this node's replicas,
+        wait for every node of the round (a node whose agent has not even
+        started handling the failure within a few seconds is taken as lost),
+        first writer wins."""
+        coord = self._coord
+        assert coord is not None
+        r = self._round
+        coord.post(r, decide.inventory(self._jit.root, self._jit.job_id, self._node))
+        nodes = coord.nodes(r, wg.group_world_size)
+        # every live agent joins within a monitor tick of the first one (the
+        # round's "failed" key); one that has not started by then is gone
+        grace = f.handling_since + 3.0
+        final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
+        invs = coord.wait_inventories(r, nodes, grace, final)
+        d = decide.compute(r, invs, {str(k): v for k, v in self._shards.items()}, nodes,
+                           decided_by=self._node.node_id)
+        won = coord.publish(d)
+        self._decision = won
+        self._events.emit("restore_decision", round=r, step=won.step, why=won.why, decided_by=won.decided_by,
+                          lost=[n["node_id"] for n in won.lost],
+                          sources={sh: [s["node_id"] for s in srcs] for sh, srcs in won.sources.items()})
+        if won.lost:
+            print(f"jitrun: node(s) {', '.join(n['addr'] for n in won.lost)} did not answer after the failure; "
+                  "taken as lost", flush=True)
+        return won
 
     # -- restart ----------------------------------------------------------------
 
@@ -351,13 +504,22 @@ class JitAgent(LocalElasticAgent):
             "restore_step": f.restore_step if f else None,
             "hosts": [os.uname().nodename],
             "devices": devices,
+            "node": {"node_id": self._node.node_id, "host": self._node.host, "addr": self._node.addr},
+            "failed_hosts": [self._node.host] if failed_ranks else [],
+            "lost_nodes": [],
+            "command": self._jit.command,
         }
+        d = self._decision
+        if d is not None and d.round == self._round and d.decided_by == self._node.node_id:
+            # job-wide facts go to one agent's hook only (one drain, one replacement)
+            failure["lost_nodes"] = d.lost
+            failure["hosts"] = sorted({n["host"] for n in d.nodes if n not in d.lost})
         placement = scheduler.place(self._jit.scheduler, failure)
         if placement.action == "abort":
             self._events.emit("job_abort", why="scheduler hook answered abort")
             self._remaining_restarts = 0
             self._stop_workers(worker_group)
-            raise RuntimeError("jitrun: scheduler hook asked to abort the job")
+            raise scheduler.JobAborted("jitrun: scheduler hook asked to abort the job")
         os.environ.update(placement.env)
         self._jit_env_keys.update(placement.env)
         if placement.visible_devices is not None:
@@ -376,6 +538,10 @@ class JitAgent(LocalElasticAgent):
     def _on_resumed(self, m: dict) -> None:
         f = self._pending
         if f is None or f.restart_t is None:
+            return
+        d = self._decision
+        if d is not None and d.decided_by != self._node.node_id:
+            self._pending = None  # the deciding node writes the job's recovery line
             return
         self._pending = None
         failure_t = f.fault_t if f.fault_t is not None else f.detected_t

@@ -8,9 +8,12 @@ JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a failure, JITCKPT_RESTORE_STEP.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import math
 import os
 import secrets
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -21,11 +24,43 @@ from jitckpt.config import DEFAULT_TIMEOUT_S
 INTERCEPT_LIB_ENV = "JITCKPT_INTERCEPT_LIB"
 
 
+_DESCRIPTION = """\
+jitrun: torchrun with just-in-time checkpointing. It takes every torchrun
+option plus the --jit-* options below. When a rank crashes or a collective
+hangs, the healthy ranks save a checkpoint of the current step and the job
+restarts from it (up to --max-restarts): only that minibatch is done again.
+
+commands:
+  jitrun [options] training_script [args ...]
+                  launch training_script (or -m module) on this node, like torchrun
+  jitrun plan     the cost model: JIT vs periodic checkpointing for a job and
+                  cluster (jitrun plan --help)
+  jitrun events   merge the event logs of several nodes (jitrun events --help)"""
+
+_EPILOG = """\
+The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
+and the timeline events.jsonl. Re-running the same command (or with the same
+--rdzv-id) resumes from it; another job pointed at it is refused. Workers get
+JITCKPT_DIR, JITCKPT_JOB_ID, JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a
+failure, JITCKPT_RESTORE_STEP in their environment."""
+
+
 def _parser():
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
     p.prog = "jitrun"
+    p.usage = ("jitrun [torchrun options] [--jit-* options] training_script [args ...]\n"
+               "       jitrun plan [options]     (jitrun plan --help)\n"
+               "       jitrun events [options]   (jitrun events --help)")
+    p.description = _DESCRIPTION
+    p.epilog = _EPILOG
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+
+    def error(message: str) -> None:  # one line, not torchrun's 20-line usage
+        p.exit(2, f"jitrun: error: {message} (see jitrun --help)\n")
+
+    p.error = error
     g = p.add_argument_group("jitckpt")
     g.add_argument("--jit-dir", default=None,
                    help="checkpoint root for JIT checkpoints and events.jsonl "
@@ -34,7 +69,8 @@ def _parser():
                    help=f"seconds a collective may hang before the healthy ranks save "
                         f"(default {DEFAULT_TIMEOUT_S:.0f}; also the process group timeout)")
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
-                   help="seconds allowed for the JIT save after detection before giving up on it")
+                   help="seconds allowed for the JIT save after detection before giving up on it "
+                        "(default 120)")
     g.add_argument("--jit-scheduler", default="local",
                    help="scheduler hook: 'local' or 'exec:/path/to/program' (JSON in, JSON out)")
     g.add_argument("--jit-intercept", choices=("auto", "on", "off"), default="auto",
@@ -44,6 +80,76 @@ def _parser():
                         "restart does not pay for Python and torch start-up (default off: `python -u` "
                         "processes like torchrun; never with --no-python, --run-path or libintercept)")
     return p
+
+
+def _check_seconds(flag: str, value: float | None) -> str | None:
+    if value is None or (math.isfinite(value) and value > 0):
+        return None
+    return f"{flag} {value:g}: expected a finite number of seconds > 0 (e.g. {flag} 60)"
+
+
+def _check_program(args) -> str | None:
+    prog = args.training_script
+    if args.no_python:
+        if args.module:
+            return ("--no-python and -m/--module exclude each other: -m runs a Python module, "
+                    "--no-python runs a program without Python; drop one of them")
+        if shutil.which(prog) is None:
+            where = "" if os.sep in prog else " on PATH"
+            return (f"--no-python: program {prog!r} not found{where} or not executable; "
+                    "pass its path, or drop --no-python to run a Python script")
+        return None
+    if args.module and not args.run_path:
+        return None  # a module name: the workers' Python resolves it
+    if os.path.isdir(prog):
+        if os.path.isfile(os.path.join(prog, "__main__.py")):
+            return None
+        return (f"training script {prog!r} is a directory without __main__.py; "
+                "pass the path of a Python script, or -m MODULE to run a module")
+    if not os.path.isfile(prog):
+        return (f"training script {prog!r} not found (relative to {os.getcwd()}); "
+                "pass the script's path, or -m MODULE to run a module")
+    return None
+
+
+def _check_sizes(args) -> str | None:
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    try:
+        nproc = determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        return (f"--nproc-per-node {args.nproc_per_node}: {str(e).rstrip('.')}; expected a number of workers "
+                "or one of auto, cpu, gpu, xpu")
+    if nproc < 1:
+        return f"--nproc-per-node {args.nproc_per_node}: expected at least 1 worker"
+    try:
+        lo, hi = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        return f"--nnodes {args.nnodes}: expected a number of nodes N >= 1 or a range MIN:MAX, 1 <= MIN <= MAX"
+    return None
+
+
+def check_args(args) -> str | None:
+    """What is wrong with the command line, as one line for stderr, or None.
+    Run before anything is created on disk or started."""
+    err = (_check_seconds("--jit-timeout", args.jit_timeout)
+           or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
+           or _check_sizes(args)
+           or _check_program(args))
+    if err:
+        return err
+    env_timeout = os.environ.get("JITCKPT_TIMEOUT")
+    if args.jit_timeout is None and env_timeout:
+        try:
+            ok = math.isfinite(float(env_timeout)) and float(env_timeout) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return (f"JITCKPT_TIMEOUT={env_timeout!r} in the environment is not a finite number "
+                    "of seconds > 0; unset it or pass --jit-timeout SECONDS")
+    return None
 
 
 def job_id_for(args) -> str:
@@ -81,13 +187,30 @@ def main(argv: list[str] | None = None) -> int:
         from . import plan
 
         return plan.main(argv[1:])
+    if argv[:1] == ["events"]:
+        from . import events
+
+        return events.main(argv[1:])
     args = _parser().parse_args(argv)
+    args.argv = list(argv)  # a replacement agent is started with the same command
     return run(args)
 
 
 def run(args) -> int:
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
+    from . import scheduler
+
+    # every check before claim_root: a rejected command creates nothing on disk
+    err = check_args(args)
+    if err:
+        print(f"jitrun: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        sched = scheduler.parse_hook(args.jit_scheduler)
+    except scheduler.SchedulerError as e:
+        print(f"jitrun: error: {e}", file=sys.stderr)
+        return 2
     job_id = job_id_for(args)
     root = Path(args.jit_dir or Path.cwd() / "jitckpt_runs" / job_id).resolve()
     try:
@@ -95,17 +218,9 @@ def run(args) -> int:
     except layout.CheckpointDirError as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
-    if args.jit_timeout is not None and args.jit_timeout <= 0:
-        print(f"jitrun: error: --jit-timeout must be > 0 seconds, got {args.jit_timeout}", file=sys.stderr)
-        return 2
-    from . import scheduler
-
-    try:
-        sched = scheduler.parse_hook(args.jit_scheduler)
-    except scheduler.SchedulerError as e:
-        print(f"jitrun: error: {e}", file=sys.stderr)
-        return 2
     timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    if os.environ.get("JITCKPT_TOKEN"):
+        os.environ["JITCKPT_TOKEN_SET_BY_USER"] = "1"
     token = os.environ.get("JITCKPT_TOKEN") or secrets.token_hex(16)
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
@@ -129,6 +244,10 @@ def run(args) -> int:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    from . import netconf
+
+    for line in netconf.derive(args, os.environ):
+        print(f"jitrun: derived {line}", flush=True)
 
     config, cmd, cmd_args = config_from_args(args)
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
@@ -148,7 +267,8 @@ def run(args) -> int:
     from .launch import launch
 
     return launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, timeout_s=timeout,
-                  save_timeout_s=args.jit_save_timeout, sched=sched)
+                  save_timeout_s=args.jit_save_timeout, sched=sched,
+                  command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
 
 
 if __name__ == "__main__":

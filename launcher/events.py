@@ -6,7 +6,15 @@ failure_detected, worker_exit, save_started, checkpoint_saved,
 checkpoint_failed, checkpoint_skipped, ranks_killed, no_jit_checkpoint,
 restart, job_abort, resumed, recovery (the per-failure summary: detection_s,
 checkpoint_s, restart_to_resumed_s, failure_to_resumed_s, restore_step,
-progress_step, redone_minibatches, minibatch_s), job_end.
+progress_step, redone_minibatches, minibatch_s), job_end; and for the
+job-wide path: rendezvous (round, group rank, this node's ranks),
+restore_decision (the job's step, the nodes holding it, lost nodes),
+replica_fetched / replica_fetch_failed (peer transfer), loaded (the step a
+rank actually loaded), state_divergence, spare_waiting.
+
+Every record written by an agent names its ``node``; each node writes its own
+ranks' reports only, and ``jitrun events DIR...`` merges several nodes' logs
+into one job order.
 """
 
 from __future__ import annotations
@@ -18,12 +26,15 @@ from pathlib import Path
 
 
 class EventLog:
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, node: str | None = None) -> None:
         self.path = path
+        self.node = node  # every record names the node that wrote it
         self.events: list[dict] = []
 
     def emit(self, event: str, **fields) -> dict:
         rec = {"event": event, "t": fields.pop("t", None) or time.time(), **fields}
+        if self.node is not None:
+            rec.setdefault("node", self.node)
         self.events.append(rec)
         if self.path is not None:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -38,11 +49,15 @@ def summary(events: list[dict]) -> str:
     """Short human summary printed when jitrun ends."""
     lines = []
     t0 = events[0]["t"] if events else 0.0
+    multi = len({e.get("node") for e in events}) > 1
     for e in events:
         if e["event"] in ("fault_injected", "failure_detected", "checkpoint_saved", "checkpoint_failed",
-                          "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end"):
-            detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error")}
-            lines.append(f"  +{e['t'] - t0:7.2f}s  {e['event']:<18} {json.dumps(detail, sort_keys=True)}")
+                          "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
+                          "restore_decision", "replica_fetched", "replica_fetch_failed", "state_divergence",
+                          "spare_waiting", "job_abort"):
+            detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error", "node")}
+            where = f"[{e['node']}] " if multi and e.get("node") else ""
+            lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")
     for e in events:
         if e["event"] == "recovery":
             lines.append(
@@ -52,3 +67,55 @@ def summary(events: list[dict]) -> str:
                 f"{e['restore_step']}, redone minibatches {e['redone_minibatches']}"
             )
     return "jitrun timeline:\n" + "\n".join(lines) if lines else "jitrun: no failures"
+
+
+def load(paths: list[Path]) -> list[dict]:
+    """Events of several nodes' logs in one job order (by time), each record
+    once: a shared jit dir listed twice, or the same file copied off two
+    nodes, does not double anything."""
+    seen: set[str] = set()
+    out: list[dict] = []
+    for p in paths:
+        f = p / "events.jsonl" if p.is_dir() else p
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: no such event log (pass a jit dir or an events.jsonl file)")
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{f}:{n}: not a JSON line; is this a jitrun events.jsonl?") from None
+            key = json.dumps(rec, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(rec)
+    out.sort(key=lambda e: e.get("t", 0.0))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="jitrun events",
+                                 description="Merge the event logs of a job's nodes into one timeline.")
+    ap.add_argument("paths", nargs="*", type=Path, help="jit dirs or events.jsonl files, one per node")
+    ap.add_argument("--jit-dir", action="append", type=Path, default=[], help="a node's jit dir (repeatable)")
+    ap.add_argument("--json", action="store_true", help="print the merged events as JSON lines")
+    a = ap.parse_args(argv)
+    paths = [*a.jit_dir, *a.paths]
+    if not paths:
+        print("jitrun events: error: give at least one jit dir or events.jsonl", file=sys.stderr)
+        return 2
+    try:
+        evs = load(paths)
+    except (OSError, ValueError) as e:
+        print(f"jitrun events: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        for e in evs:
+            print(json.dumps(e, sort_keys=True))
+    else:
+        print(summary(evs))
+    return 0

@@ -12,15 +12,17 @@ from torch.distributed.elastic import events as te_events
 from torch.distributed.elastic import metrics, rendezvous
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from . import rdzv
 from .agent import JitAgent, JitOptions
 from .events import EventLog, summary
 
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
-           timeout_s: float, save_timeout_s: float, sched: str) -> int:
+           timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None) -> int:
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     events = EventLog(root / "events.jsonl")
@@ -33,9 +35,11 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         **config.rdzv_configs)
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    token = _job_token(handler, config, token)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
-        args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        args=tuple(cmd_args), rdzv_handler=handler,
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
         event_log_handler=config.event_log_handler, numa_options=config.numa_options,
@@ -47,7 +51,7 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
-                       save_timeout_s=save_timeout_s, scheduler=sched),
+                       save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or [])),
         events=events)
     code = 1
     shutdown_rdzv = True
@@ -56,19 +60,75 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         result = agent.run()
         te_events.record(agent.get_event_succeeded(), config.event_log_handler)
         if result.is_failed():
-            err = ChildFailedError(name=_get_entrypoint_name(cmd, cmd_args), failures=result.failures)
+            err = ChildFailedError(name=entrypoint_name(cmd, cmd_args), failures=result.failures)
             print(err.format_msg(), file=sys.stderr)
             code = 1
         else:
             code = 0
+    except RendezvousTimeoutError:
+        join = rdzv.join_timeout_s(handler)
+        print(f"jitrun: the job could not gather {config.min_nodes} node(s) within the rendezvous join timeout "
+              f"({join:.0f}s): a lost node was not replaced. Start a replacement with the same command, or raise "
+              "the wait with --rdzv-conf join_timeout=SECONDS", file=sys.stderr)
+        code = 1
     except Exception as e:
         if type(e).__name__ == "SignalException":
             shutdown_rdzv = False
-        print(f"jitrun: {type(e).__name__}: {e}", file=sys.stderr)
+        print(error_line(e, sched), file=sys.stderr)
         code = 1
     finally:
+        stopped = agent.close()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         events.emit("job_end", exitcode=code)
         print(summary(events.events), flush=True)
+    if not stopped:
+        # a thread still inside a store call would abort the interpreter's exit
+        sys.stderr.flush()
+        os._exit(code)
     return code
+
+
+def _job_token(handler, config: LaunchConfig, token: str) -> str:
+    """One token for every node of the job. A token the user set on every node
+    (JITCKPT_TOKEN) is used as is; otherwise the first agent's random token is
+    shared through the rendezvous store (the first writer wins), which every
+    node of the job can already reach."""
+    if os.environ.get("JITCKPT_TOKEN_SET_BY_USER") or config.max_nodes <= 1:
+        return token
+    store = rdzv.coordination_store(handler)
+    if store is None:
+        return token
+    shared = store.compare_set(f"jitckpt/job-token/{config.run_id}", "", token)
+    shared = shared.decode() if isinstance(shared, bytes) else shared
+    os.environ["JITCKPT_TOKEN"] = shared
+    return shared
+
+
+def entrypoint_name(cmd, cmd_args) -> str:
+    """The user's program for torch's failure report: the script or module
+    after ``-m jitckpt._bootstrap`` (or handed to the warm-start worker), not
+    the bootstrap itself."""
+    args = [str(a) for a in cmd_args]
+    if callable(cmd) and getattr(cmd, "__name__", "") in ("worker_main", "run_script_path"):
+        rest = args
+    elif isinstance(cmd, str) and "jitckpt._bootstrap" in args:
+        rest = args[args.index("jitckpt._bootstrap") + 1:]
+    else:
+        return _get_entrypoint_name(cmd, cmd_args)
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return rest[1]
+    return next((a for a in rest if not a.startswith("-")), "") or _get_entrypoint_name(cmd, cmd_args)
+
+
+def error_line(e: BaseException, sched: str = "") -> str:
+    """One stderr line for an exception that ends the launch."""
+    from .scheduler import JobAborted
+
+    msg = str(e)
+    if isinstance(e, JobAborted) or "scheduler hook asked to abort" in msg:
+        return (f"jitrun: the scheduler hook{f' ({sched})' if sched else ''} asked to abort the job; "
+                "not restarting (see job_abort in events.jsonl)")
+    if msg.startswith("jitrun: "):
+        return msg
+    return f"jitrun: {type(e).__name__}: {msg}"

@@ -11,9 +11,18 @@ placement from its stdout::
     out: {"action": "restart" | "abort", "env": {NAME: VALUE, ...},
           "visible_devices": "0,2" (optional, becomes CUDA_VISIBLE_DEVICES)}
 
-A Slurm deployment points exec: at a script that asks the controller for a
-replacement node (e.g. ``scontrol`` / ``sbatch --dependency``) and answers with
-the placement; jitrun itself stays scheduler-agnostic.
+``slurm``: jitrun runs inside a Slurm allocation (checked by parse_hook).
+After a failure every lost node (``lost_nodes``: agent vanished) is drained with
+reason "jitrun: ..."; one surviving agent (the first of sorted ``hosts``, so
+replacements are not started twice) starts a replacement agent with the same
+argv (``command``) on a spare node of the allocation through ``srun`` (see
+``jitrun.slurm``), and the workers restart with JITCKPT_SLURM_SPARE=node[,...]
+in their environment. Without a spare the job restarts anyway and waits for a
+replacement to join; Slurm errors are reported on stderr, never fatal.
+
+Failure keys read by the hooks (all optional): ``lost_nodes`` [{"node_id",
+"host" (Slurm node name), "addr"}], ``failed_hosts`` [host], ``command``
+[argv of the jitrun agent], ``hosts`` [surviving hosts] besides those above.
 """
 
 from __future__ import annotations
@@ -21,11 +30,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
+
+from . import slurm
 
 
 class SchedulerError(RuntimeError):
     pass
+
+
+class JobAborted(RuntimeError):
+    """The scheduler hook answered ``{"action": "abort"}``: the job ends
+    without a restart (jitrun exits 1 with one line, no traceback)."""
 
 
 @dataclass
@@ -38,12 +55,20 @@ class Placement:
 def parse_hook(spec: str) -> str:
     if spec == "local":
         return spec
+    if spec == "slurm":
+        try:
+            slurm.allocation()
+            for tool in ("scontrol", "squeue", "srun"):
+                slurm.tool(tool)
+        except slurm.SlurmError as e:
+            raise SchedulerError(f"--jit-scheduler slurm: {e}") from None
+        return spec
     if spec.startswith("exec:"):
         path = spec[5:]
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             raise SchedulerError(f"--jit-scheduler {spec!r}: {path!r} is not an executable file")
         return spec
-    raise SchedulerError(f"--jit-scheduler {spec!r}: expected 'local' or 'exec:/path/to/program'")
+    raise SchedulerError(f"--jit-scheduler {spec!r}: expected 'local', 'slurm' or 'exec:/path/to/program'")
 
 
 def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
@@ -58,6 +83,8 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
             if len(keep) >= int(failure.get("nproc_per_node") or 1):
                 return Placement(visible_devices=",".join(keep))
         return Placement()
+    if spec == "slurm":
+        return _place_slurm(failure)
     path = spec[5:]
     try:
         out = subprocess.run([path], input=json.dumps(failure), capture_output=True, text=True,
@@ -79,3 +106,47 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
     if vis is not None and not isinstance(vis, str):
         raise SchedulerError(f"scheduler hook {path}: 'visible_devices' must be a string like \"0,2\", got {vis!r}")
     return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis)
+
+
+def _warn(msg: str) -> None:
+    print(f"jitrun: slurm: {msg}", file=sys.stderr, flush=True)
+
+
+def _place_slurm(failure: dict) -> Placement:
+    # Restarting matters more than bookkeeping: a Slurm error is reported and
+    # the workers restart anyway.
+    lost = [n for n in failure.get("lost_nodes") or [] if n.get("host")]
+    for n in lost:
+        why = f"agent {n.get('node_id', '?')} lost (job {failure.get('job_id', '?')})"
+        try:
+            slurm.drain(n["host"], f"jitrun: {why}")
+            _warn(f"drained node {n['host']}: {why}")
+        except slurm.SlurmError as e:
+            _warn(f"could not drain {n['host']}: {e}")
+    hosts = sorted(slurm.node_name(h) for h in failure.get("hosts") or [])
+    me = os.environ.get("SLURMD_NODENAME") or slurm.node_name(os.uname().nodename)
+    if not lost or (me in hosts and me != hosts[0]):
+        return Placement()  # nothing to replace, or another surviving agent does it
+    command = failure.get("command") or []
+    if not command:
+        _warn("no agent command in the failure description; not starting a replacement")
+        return Placement()
+    try:
+        spares = slurm.spare_nodes(in_use=[*hosts, *(failure.get("failed_hosts") or [])],
+                                   lost=[n["host"] for n in lost])
+    except slurm.SlurmError as e:
+        _warn(f"could not look for spare nodes: {e}")
+        spares = []
+    started = []
+    for n, spare in zip(lost, spares, strict=False):  # fewer spares than lost nodes: replace what we can
+        try:
+            pid = slurm.start_replacement(spare, command)
+            _warn(f"started a replacement agent for {n['host']} on spare node {spare} (srun pid {pid})")
+            started.append(spare)
+        except slurm.SlurmError as e:
+            _warn(f"could not start a replacement agent on {spare}: {e}")
+    if len(started) < len(lost):
+        _warn(f"no spare node for {len(lost) - len(started)} of {len(lost)} lost node(s) in allocation "
+              f"{os.environ.get('SLURM_JOB_ID')}; restarting anyway, the job waits for a replacement agent "
+              "to join (start one by hand with srun, or grow the allocation)")
+    return Placement(env={"JITCKPT_SLURM_SPARE": ",".join(started)} if started else {})

@@ -1,7 +1,11 @@
 """Recovery from one failure: periodic checkpoints under plain torchrun vs jitrun.
 
     python scripts/bench_recovery.py [--steps 120] [--seed 0] [--intervals 10,30,60]
-                                     [--repeats 2] [--plot bench_results/recovery.png] [--quick]
+                                     [--repeats 2] [--plot FILE] [--json FILE] [--publish] [--quick]
+
+Outputs go to build/bench/ (untracked): the plot recovery.png, and the raw
+measurements recovery.json. ``--publish`` writes them to bench_results/
+instead, the published copy that bench_results/RESULTS.md describes.
 
 One rank (rank 1) is SIGKILLed in the backward pass of step F, F drawn from
 ``--seed`` and the same for every configuration. Runs, one after the other
@@ -65,6 +69,8 @@ from itertools import pairwise
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+OUT_DIR = HERE.parent / "build" / "bench"  # default, untracked
+PUBLISHED_DIR = HERE.parent / "bench_results"  # tracked; only with --publish
 sys.path.insert(0, str(HERE))
 from bench_overhead import RunLog, run_timestamped, step_times  # noqa: E402
 from compare_state import diff_states  # noqa: E402
@@ -420,8 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each jitrun configuration")
     ap.add_argument("--jit-timeout", type=float, default=5.0)
     ap.add_argument("--no-stop", action="store_true", help="skip the jitrun SIGSTOP runs")
-    ap.add_argument("--plot", default="bench_results/recovery.png")
-    ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument("--plot", default=None,
+                    help="plot file (default build/bench/recovery.png; '' = no plot)")
+    ap.add_argument("--json", default=None,
+                    help="file for every measurement (default build/bench/recovery.json; '' = none)")
+    ap.add_argument("--publish", action="store_true",
+                    help="write the plot and the JSON to bench_results/ (tracked, what RESULTS.md shows) "
+                         "instead of build/bench/")
     ap.add_argument("--keep", default=None, help="keep each run's directory (output.log, events) here")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds before a run is killed")
     ap.add_argument("--quick", action="store_true",
@@ -432,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.intervals, args.repeats = 40, "10", 1
+    out_dir = PUBLISHED_DIR if args.publish else OUT_DIR
+    if args.plot is None:
+        args.plot = str(out_dir / "recovery.png")
+    if args.json is None:
+        args.json = str(out_dir / "recovery.json")
     results: list[Result] = []
     if args.reparse:
         work = Path(args.reparse).resolve()
@@ -500,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"fault_step": F, "args": vars(args),
                                                "ref": asdict(ref), "runs": [asdict(r) for r in results]},
                                               indent=1))
+        print(f"data: {args.json}")
     bad = [r.name for r in results if r.error or not r.identical]
     if bad:
         print(f"FAILED or not identical to ref: {', '.join(bad)}")

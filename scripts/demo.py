@@ -23,10 +23,18 @@ STEPS = 60
 TRAIN = [str(HERE / "demo_train.py"), "--steps", str(STEPS), "--log-every", "10"]
 
 
+# Noise for this demo, not errors: torch's C++ warnings (DDP's advice about
+# find_unused_parameters, which the trainer sets on purpose for restart-stable
+# bucketing; c10d's "hostname of the client socket cannot be retrieved" on hosts
+# without reverse DNS) and torchrun's OMP_NUM_THREADS banner (it sets 1 anyway).
+# C++ errors and every Python-side message still show; an explicit setting wins.
+QUIET = {"TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"}
+
+
 def run(cmd: list[str], env: dict | None = None) -> float:
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
-    subprocess.run(cmd, check=True, env={**os.environ, **(env or {})})
+    subprocess.run(cmd, check=True, env={**QUIET, **os.environ, **(env or {})})
     return time.time() - t0
 
 
@@ -35,6 +43,10 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     py = sys.executable
+    quiet = [k for k in QUIET if k not in os.environ]
+    if quiet:
+        print(f"(demo env: {' '.join(f'{k}={QUIET[k]}' for k in quiet)}; set TORCH_CPP_LOG_LEVEL=WARNING "
+              "to see torch's C++ warnings)", flush=True)
     print("== 1. reference: plain torchrun, no failure ==", flush=True)
     run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          *TRAIN, "--out", str(out / "reference.pt")])

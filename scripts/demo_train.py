@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    ap.add_argument("--save-sleep", type=float, default=0.0, help="extra seconds inside save_fn (a slow save)")
     ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--ckpt-every", type=int, default=0,
@@ -92,6 +93,8 @@ def main() -> None:
     cursor = {"step": 0, "rng": torch.get_rng_state()}
 
     def save_fn(ckpt_dir: str) -> None:
+        if args.save_sleep:
+            time.sleep(args.save_sleep)
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
                     "step": cursor["step"], "rng": cursor["rng"]}, os.path.join(ckpt_dir, "state.pt"))
 

@@ -323,3 +323,16 @@ def test_atomic_write_bytes_failure_cleans_temp_and_keeps_old(tmp_path, monkeypa
     monkeypatch.undo()
     assert p.read_bytes() == b"old"
     assert [x.name for x in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_claim_root_other_job_message_mentions_checkpoints_only_when_present(tmp_path):
+    layout.claim_root(tmp_path, "job-old")
+    with pytest.raises(CheckpointDirError) as ei:
+        layout.claim_root(tmp_path, "job-new")
+    msg = str(ei.value)
+    assert "belongs to job 'job-old' (its job.json)" in msg and "checkpoint" not in msg
+    for s in (10, 20):
+        (tmp_path / "ckpt" / f"step-{s}").mkdir(parents=True)
+    with pytest.raises(CheckpointDirError) as ei:
+        layout.claim_root(tmp_path, "job-new")
+    assert "holds its checkpoints (steps 10, 20)" in str(ei.value)

@@ -30,9 +30,9 @@ def test_parse_hook_accepts_local_and_executable(tmp_path):
     assert scheduler.parse_hook(spec) == spec
 
 
-@pytest.mark.parametrize("spec", ["slurm", "", "exec", "Local"])
+@pytest.mark.parametrize("spec", ["Slurm", "", "exec", "Local"])
 def test_parse_hook_unknown_spec(spec):
-    with pytest.raises(SchedulerError, match="expected 'local' or 'exec:"):
+    with pytest.raises(SchedulerError, match="expected 'local', 'slurm' or 'exec:"):
         scheduler.parse_hook(spec)
 
 

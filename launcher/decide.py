@@ -1,0 +1,175 @@
+"""The job-wide restore decision: one per failure, the same for every node.
+
+Nodes keep checkpoints on their own disks, so no single agent can see which
+replicas exist. After a failure every agent, once its own workers have saved
+or been given up on, posts its node's inventory (verified replicas: step,
+shard, rank, manifest checksum) to the coordination store. The decision is
+computed from the inventories of every node of the failed round (or those
+posted by a deadline: a node that vanished posts nothing), written once with
+``compare_set`` (the first writer wins; every agent then reads the winner),
+and names the restore step, the newest complete for every shard across all
+nodes, with the nodes that hold each shard's replica as transfer sources.
+
+Keys, under ``jitckpt/<token>/`` in the coordination store (``rdzv``):
+``round/<r>/node/<group rank>`` who is in round r; ``round/<r>/inv/<node>``
+and the counter ``round/<r>/ninv``; ``round/<r>/decision``; ``decision``
+(the newest decision, read by agents that join later, e.g. a replacement).
+
+Pure functions (``compute``) are separate from store I/O so they are unit
+tested without a store. Called from the agent's main thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from jitckpt import layout
+from jitckpt.report import namespace
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    host: str
+    addr: str
+
+
+@dataclass
+class Decision:
+    round: int
+    step: int | None
+    shards: list[str]
+    sources: dict[str, list[dict]]  # shard -> [{node_id, host, addr, rank, manifest_sha256}]
+    shard_of_rank: dict[str, str]
+    nodes: list[dict]  # every node of the failed round
+    lost: list[dict]  # nodes that posted no inventory by the deadline
+    why: str
+    decided_by: str
+    t: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(raw: str | bytes) -> Decision:
+        d = json.loads(raw)
+        return Decision(**d)
+
+
+def inventory(root: Path, job_id: str, node: NodeInfo) -> dict:
+    """This node's verified replicas (checksums checked now)."""
+    good, _bad = layout.scan(root, job_id)
+    reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
+             "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
+    return {**asdict(node), "replicas": reps}
+
+
+def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str], nodes: list[dict],
+            decided_by: str, max_step: int | None = None) -> Decision:
+    """Newest step at which every shard has a replica on some node that posted."""
+    shards = sorted(set(shard_of_rank.values()) or {r["shard"] for inv in inventories for r in inv["replicas"]}
+                    or {"0"})
+    holders: dict[tuple[int, str], list[dict]] = {}
+    for inv in sorted(inventories, key=lambda i: i["node_id"]):
+        for r in inv["replicas"]:
+            holders.setdefault((r["step"], r["shard"]), []).append(
+                {"node_id": inv["node_id"], "host": inv["host"], "addr": inv["addr"], "rank": r["rank"],
+                 "saved_at": r.get("saved_at", 0.0), "manifest_sha256": r["manifest_sha256"]})
+    steps = {s for s, _ in holders}
+    ok = sorted((s for s in steps if all((s, sh) in holders for sh in shards)
+                 and (max_step is None or s <= max_step)), reverse=True)
+    step = ok[0] if ok else None
+    posted = {i["node_id"] for i in inventories}
+    lost = [n for n in nodes if n["node_id"] not in posted]
+    if step is None:
+        why = "no step has a complete replica of every shard on the nodes that answered"
+    else:
+        why = f"newest step with a replica of every shard ({len(inventories)} of {len(nodes) or '?'} nodes answered)"
+    sources = {sh: holders[(step, sh)] for sh in shards} if step is not None else {}
+    return Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
+                    nodes=nodes, lost=lost, why=why, decided_by=decided_by)
+
+
+class Coordinator:
+    """Store I/O of the decision protocol for one agent."""
+
+    def __init__(self, store, token: str, node: NodeInfo) -> None:
+        self.store = store
+        self.ns = namespace(token)
+        self.node = node
+
+    def _k(self, *parts: object) -> str:
+        return "/".join([self.ns, *map(str, parts)])
+
+    def announce(self, round_: int, group_rank: int) -> None:
+        """Say which node holds group rank ``group_rank`` in ``round_``."""
+        self.store.set(self._k("round", round_, "node", group_rank), json.dumps(asdict(self.node)))
+
+    def nodes(self, round_: int, group_world_size: int) -> list[dict]:
+        keys = [self._k("round", round_, "node", g) for g in range(group_world_size)]
+        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+
+    def post(self, round_: int, inv: dict) -> None:
+        self.store.set(self._k("round", round_, "inv", self.node.node_id), json.dumps(inv))
+        self.store.add(self._k("round", round_, "ninv"), 1)
+
+    def handling(self, round_: int) -> None:
+        """This node's agent has seen the failure (it will post an inventory);
+        also tells every other agent that round ``round_`` failed."""
+        self.store.set(self._k("round", round_, "handling", self.node.node_id), b"1")
+        self.store.set(self._k("round", round_, "failed"), self.node.node_id)
+
+    def failed(self, round_: int) -> bool:
+        """Has any agent started handling a failure of ``round_``? (Its workers
+        may not have noticed yet: a peer's death surfaces only at their next
+        collective.)"""
+        return bool(self.store.check([self._k("round", round_, "failed")]))
+
+    def wait_inventories(self, round_: int, nodes: list[dict], grace: float, final: float) -> list[dict]:
+        """Inventories of ``nodes``: every one that posted by ``grace``
+        (monotonic), and those whose agent is still handling the failure
+        (e.g. a slow save) until ``final``."""
+        want = sorted({n["node_id"] for n in nodes} or {self.node.node_id})
+        inv = {n: self._k("round", round_, "inv", n) for n in want}
+        if not self._wait(list(inv.values()), grace):
+            busy = [k for n, k in inv.items()
+                    if self.store.check([self._k("round", round_, "handling", n)])]
+            if busy:
+                self._wait(busy, final)
+        return [json.loads(self.store.get(k)) for k in inv.values() if self.store.check([k])]
+
+    def _wait(self, keys: list[str], until: float) -> bool:
+        """Block until every key exists (event-driven) or ``until`` passes."""
+        try:
+            self.store.wait(keys, timedelta(seconds=max(until - time.monotonic(), 0.001)))
+            return True
+        except Exception:  # DistStoreError on timeout
+            return False
+
+    def publish(self, d: Decision) -> Decision:
+        """Write ``d`` unless another agent already decided this round; return
+        the decision in force."""
+        key = self._k("round", d.round, "decision")
+        raw = self.store.compare_set(key, "", d.to_json())
+        won = Decision.from_json(raw)
+        self.store.set(self._k("decision"), won.to_json())
+        return won
+
+    def decided(self, round_: int) -> Decision | None:
+        key = self._k("round", round_, "decision")
+        return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+
+    def latest(self) -> Decision | None:
+        key = self._k("decision")
+        return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+
+
+def store_timeout(store, seconds: float) -> None:
+    try:
+        store.set_timeout(timedelta(seconds=seconds))
+    except AttributeError:
+        pass

@@ -1,0 +1,87 @@
+"""What jitrun needs from torch's dynamic rendezvous beyond torchrun's use of it.
+
+1. Every round republishes where the workers' store is. torch 2.13 builds the
+   workers' bootstrap address (MASTER_ADDR/MASTER_PORT under the round's key
+   prefix) only in a node's first round: in a later round the rank-0 agent
+   keeps its old answer and never writes the keys for the new round, so a
+   replacement node (or a spare) joining round k > 0 waits for
+   ``/torch.rendezvous.<id>.<k>/MASTER_ADDR`` until it times out, and plain
+   torchrun fails the same way. After each round, rank 0 writes its store's
+   address for the round and every other node reads it, so a node whose rank
+   changed between rounds also follows the store that rank 0 now hosts.
+2. The job-wide attempt number: the rendezvous round, the same on every node
+   (a replacement agent's own restart count starts at 0). Workers key their
+   per-attempt store space on it.
+3. The coordination store: the rendezvous backend's own store (the c10d
+   endpoint), which outlives any agent but the one hosting the endpoint, used
+   for job-wide decisions (``decide``) and replica transfers (``transfer``).
+4. Hot spares: while the job is healthy a node waiting to join is reported
+   once and not admitted (torchrun would restart every worker to let it in);
+   it joins when a failure makes the job re-rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+def _dynamic(handler) -> bool:
+    return hasattr(handler, "_state_holder") and hasattr(handler, "_bootstrap_store_info")
+
+
+def current_round(handler) -> int | None:
+    if not _dynamic(handler):
+        return None
+    return int(handler._state_holder.state.round)
+
+
+def coordination_store(handler):
+    """The backend store without the per-round prefix, or None."""
+    return getattr(handler, "_store", None) if _dynamic(handler) else None
+
+
+def join_timeout_s(handler) -> float | None:
+    try:
+        return handler.settings.timeout.join.total_seconds()
+    except AttributeError:
+        return None
+
+
+def install(handler, *, on_spare: Callable[[int], None] | None = None,
+            healthy: Callable[[], bool] | None = None) -> None:
+    """Patch ``handler`` (a DynamicRendezvousHandler) in place; a no-op for
+    other handlers (static, etcd-v1), which have neither problem."""
+    if not _dynamic(handler) or getattr(handler, "_jitckpt_patched", False):
+        return
+    handler._jitckpt_patched = True
+    orig_next = handler.next_rendezvous
+    orig_waiting = handler.num_nodes_waiting
+
+    def next_rendezvous():
+        info = orig_next()
+        if not handler.use_agent_store or info.bootstrap_store_info is None:
+            return info
+        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+        server = handler._shared_tcp_store_server
+        if info.rank == 0 and server is not None:
+            fresh = RendezvousStoreInfo.build(0, info.store, local_addr=handler._this_node.addr,
+                                              server_port=server.port)
+        else:
+            fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=handler._this_node.addr)
+        handler._bootstrap_store_info = fresh
+        return type(info)(info.store, info.rank, info.world_size, fresh)
+
+    def num_nodes_waiting() -> int:
+        n = orig_waiting()
+        if n and healthy is not None and healthy():
+            if on_spare is not None:
+                on_spare(n)
+            return 0
+        return n
+
+    handler.next_rendezvous = next_rendezvous
+    handler.num_nodes_waiting = num_nodes_waiting

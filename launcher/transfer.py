@@ -1,0 +1,228 @@
+"""Peer transfer of replica checkpoints between nodes, through the job's store.
+
+Nodes have their own disks. When the restore decision names a step whose
+replica of a shard this node lacks, the agent fetches it from a node that has
+it before its workers start, so ``get_checkpoint_path()`` finds it locally.
+
+Transport: the coordination store (the rendezvous endpoint's TCPStore, see
+``rdzv``), under the job's secret token namespace: no new listening port, and
+only holders of the token can name the keys. Files move in chunks with a
+bounded window (the store holds at most ``WINDOW`` chunks of one transfer at
+a time; the reader deletes each chunk once written to disk).
+
+* ``ReplicaServer``: a daemon thread per agent with its own store connection
+  (a blocking ``wait`` on a shared client would stall the rendezvous
+  heartbeats behind it). It answers requests addressed to its node from the
+  verified replicas on its disk. It touches only its own connection and the
+  read-only replica files.
+* ``fetch``: the agent's main thread. Stages into a temp dir, checks the
+  manifest against the checksum in the decision and every file against the
+  manifest, then renames into place (the same atomic publication as a save).
+  A bad or failed transfer raises ``TransferError``; the caller tries the next
+  source.
+
+A shared jit dir needs no copies: the replica is found locally first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from jitckpt import layout
+from jitckpt.report import namespace
+
+CHUNK = 4 << 20
+WINDOW = 4
+# Test hook: a node whose agent has this set corrupts what it serves (proves
+# that a corrupted transfer is detected and retried from another source).
+CORRUPT_ENV = "JITCKPT_TEST_CORRUPT_TRANSFER"
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+def _k(token: str, *parts: object) -> str:
+    return "/".join([namespace(token), "xfer", *map(str, parts)])
+
+
+def _clone(store, timeout_s: float):
+    """A separate client connection to the same TCPStore server."""
+    import torch.distributed as dist
+
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    return store
+
+
+class ReplicaServer:
+    def __init__(self, store, token: str, node_id: str, root: Path, job_id: str) -> None:
+        self._store = _clone(store, 30.0)
+        self._token = token
+        self._node = node_id
+        self._root = root
+        self._job = job_id
+        self._corrupt = bool(os.environ.get(CORRUPT_ENV))
+        self._stopping = False
+        self._seq = 1
+        self.served = 0
+        self._thread = threading.Thread(target=self._run, name="jitrun-replica-server", daemon=True)
+
+    def start(self) -> ReplicaServer:
+        self._thread.start()
+        return self
+
+    def stop(self, store, timeout_s: float = 5.0) -> bool:
+        """Unblock and join the thread; True when it ended. It must not be
+        inside a store call when the interpreter finalizes: a daemon thread
+        that wakes up then is ended by pthread_exit inside pybind11's noexcept
+        GIL re-acquisition, and the process aborts with "terminate called
+        without an active exception"."""
+        self._stopping = True
+        if not self._thread.is_alive():
+            return True
+        try:
+            seq = store.add(_k(self._token, "req", self._node, "n"), 1)
+            store.set(_k(self._token, "req", self._node, seq), json.dumps({"stop": True}))
+        except Exception:
+            pass  # the store is gone: the thread's wait fails on its own
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            key = _k(self._token, "req", self._node, self._seq)
+            try:
+                self._store.wait([key], timedelta(seconds=3600))
+                req = json.loads(self._store.get(key))
+            except Exception:  # timeout, or the store went away with the job
+                if self._stopping or not self._alive():
+                    return
+                continue
+            self._seq += 1
+            if req.get("stop"):
+                return
+            try:
+                self._serve(req)
+            except Exception as e:  # tell the fetcher instead of leaving it waiting
+                try:
+                    self._store.set(_k(self._token, "data", req.get("id"), "meta"),
+                                    json.dumps({"ok": False, "why": f"{type(e).__name__}: {e}"}))
+                except Exception:
+                    return
+
+    def _alive(self) -> bool:
+        try:
+            self._store.check([_k(self._token, "alive")])
+            return True
+        except Exception:
+            return False
+
+    def _serve(self, req: dict) -> None:
+        tid = req["id"]
+        path = layout.replica_dir(self._root, int(req["step"]), str(req["shard"]), int(req["rank"]))
+        ok = layout.verify(path, self._job)
+        if not isinstance(ok, layout.Replica):
+            raise TransferError(f"replica {path} on node {self._node} is not usable: {ok}")
+        files = [layout.MANIFEST, *sorted(json.loads((path / layout.MANIFEST).read_text())["files"])]
+        sizes = [(rel, (path / rel).stat().st_size) for rel in files]
+        self._store.set(_k(self._token, "data", tid, "meta"), json.dumps({"ok": True, "files": sizes}))
+        n = 0
+        for rel, _size in sizes:
+            with open(path / rel, "rb") as fh:
+                while True:
+                    data = fh.read(CHUNK)
+                    if not data:
+                        break
+                    if n >= WINDOW:
+                        self._store.wait([_k(self._token, "data", tid, "ack", n - WINDOW)],
+                                         timedelta(seconds=120))
+                    if self._corrupt and n == 0 and rel != layout.MANIFEST:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]
+                    self._store.set(_k(self._token, "data", tid, "c", n), data)
+                    n += 1
+        self.served += 1
+
+
+def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
+          timeout_s: float = 120.0) -> Path:
+    """Copy ``source``'s replica of (step, shard) into ``root``; return its path."""
+    tid = uuid.uuid4().hex
+    seq = store.add(_k(token, "req", source["node_id"], "n"), 1)
+    store.set(_k(token, "req", source["node_id"], seq),
+              json.dumps({"id": tid, "step": step, "shard": shard, "rank": source["rank"]}))
+    wait = timedelta(seconds=timeout_s)
+    final = layout.replica_dir(root, step, shard, int(source["rank"]))
+    layout.makedirs_private(final.parent)
+    tmp = final.parent / f".tmp-rank-{source['rank']}-fetch-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp, layout.DIR_MODE)
+    try:
+        try:
+            store.wait([_k(token, "data", tid, "meta")], wait)
+        except Exception:
+            raise TransferError(f"node {source['node_id']} did not answer within {timeout_s:.0f}s") from None
+        meta = json.loads(store.get(_k(token, "data", tid, "meta")))
+        if not meta.get("ok"):
+            raise TransferError(f"node {source['node_id']} refused: {meta.get('why')}")
+        n = 0
+        for rel, size in meta["files"]:
+            dest = tmp / rel
+            layout.makedirs_private(dest.parent)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
+            with os.fdopen(fd, "wb") as out:
+                left = size
+                while left > 0:
+                    key = _k(token, "data", tid, "c", n)
+                    store.wait([key], wait)
+                    data = store.get(key)
+                    store.delete_key(key)
+                    store.set(_k(token, "data", tid, "ack", n), b"")
+                    out.write(data)
+                    left -= len(data)
+                    n += 1
+                out.flush()
+                os.fsync(out.fileno())
+        got = hashlib.sha256((tmp / layout.MANIFEST).read_bytes()).hexdigest()
+        if got != source["manifest_sha256"]:
+            raise TransferError(f"manifest from node {source['node_id']} does not match the one it announced")
+        checked = layout.verify(tmp, None)
+        if not isinstance(checked, layout.Replica) or checked.step != step or checked.shard != shard:
+            raise TransferError(f"replica from node {source['node_id']} failed verification: {checked}")
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        layout._fsync_dir(final.parent)
+        return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard: str, sources: list[dict],
+                 self_node: str, timeout_s: float = 120.0) -> tuple[Path | None, list[str], str | None]:
+    """A verified local replica of (step, shard): found on disk, or fetched
+    from the first source that delivers a good copy. Returns (path, errors of
+    failed sources, the node fetched from or None)."""
+    good, _ = layout.scan(root, job_id)
+    for r in good:
+        if r.step == step and r.shard == shard:
+            return r.path, [], None
+    errors = []
+    for src in sorted(sources, key=lambda s: s["node_id"] == self_node):
+        if src["node_id"] == self_node:
+            continue  # ours was listed but is no longer verifiable here
+        try:
+            path = fetch(store, token, source=src, step=step, shard=shard, root=root, timeout_s=timeout_s)
+            return path, errors, src["node_id"]
+        except TransferError as e:
+            errors.append(str(e))
+    return None, errors, None

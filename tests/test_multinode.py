@@ -1,0 +1,268 @@
+"""Multi-node jobs with real torch (gloo): nodes are network namespaces, each
+agent in a private mount namespace whose --jit-dir and /dev/shm are its own
+tmpfs (tests/netns.py). Every recovered job must end with exit 0 on every
+agent, bit-identical to a failure-free plain-torchrun run of the same world,
+with at most one minibatch redone per failure."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TRAIN, assert_same_state
+from netns import Cluster, Node, Proc
+
+WHY = Cluster.unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
+
+PORT = 29400
+BASE_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+class Job:
+    """One multi-node jitrun job on a Cluster (same command on every node)."""
+
+    def __init__(self, cluster: Cluster, nproc: int, steps: int, *, train: list[str] = (),
+                 extra: list[str] = (), nnodes: int | None = None, timeout_s: float = 5,
+                 rdzv_conf: str = "keep_alive_interval=2") -> None:
+        self.rdzv_conf = rdzv_conf
+        self.c = cluster
+        self.nnodes = nnodes or len(cluster.nodes)
+        self.nproc = nproc
+        self.steps = steps
+        self.jit = str(cluster.dir / "jit")
+        self.out = cluster.dir / "final.pt"
+        self.train = list(train)
+        self.extra = list(extra)
+        self.timeout_s = timeout_s
+        self.procs: dict[str, Proc] = {}
+
+    def cmd(self, node: Node) -> list[str]:
+        return [sys.executable, "-m", "jitrun.cli", "--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.nodes[0].addr}:{PORT}", "--rdzv-id", "mn",
+                "--rdzv-conf", self.rdzv_conf, "--max-restarts", "3", "--jit-timeout", str(self.timeout_s),
+                "--jit-dir", self.jit, "--local-addr", node.addr, *self.extra,
+                str(TRAIN), "--steps", str(self.steps), "--out", str(self.out), *self.train]
+
+    def start(self, node: Node, name: str | None = None, env: dict | None = None) -> Proc:
+        name = name or f"agent{node.index}"
+        keep = ((f"{self.jit}/events.jsonl", str(self.c.dir / f"events-{name}.jsonl")),)
+        p = node.run(self.cmd(node), name=name, env={**BASE_ENV, **(env or {})}, private_dirs=(self.jit,), keep=keep)
+        self.procs[name] = p
+        return p
+
+    def start_all(self, env: dict | None = None, env_of: dict[int, dict] | None = None) -> None:
+        for node in self.c.nodes[: self.nnodes]:
+            self.start(node, env={**(env or {}), **(env_of or {}).get(node.index, {})})
+
+    def wait(self, timeout: float = 240, skip: tuple[str, ...] = ()) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, p in self.procs.items():
+            if name in skip:
+                continue
+            try:
+                codes[name] = p.wait(max(deadline - time.monotonic(), 1))
+            except Exception:
+                pytest.fail(f"{name} did not finish in {timeout}s\n" + self.logs())
+        return codes
+
+    def wait_for_output(self, name: str, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.procs[name].output():
+            if time.monotonic() > deadline or self.procs[name].popen.poll() is not None:
+                pytest.fail(f"{name} never printed {text!r}\n" + self.logs())
+            time.sleep(0.05)
+
+    def events(self, name: str) -> list[dict]:
+        p = self.c.dir / f"events-{name}.jsonl"
+        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+    def all_events(self) -> list[dict]:
+        return sorted((e for n in self.procs for e in self.events(n)), key=lambda e: e["t"])
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n}\n{p.output()[-3000:]}" for n, p in self.procs.items())
+
+    def assert_recovered(self, reference: Path, failures: int = 1, skip: tuple[str, ...] = ()) -> list[dict]:
+        codes = self.wait(skip=skip)
+        assert all(c == 0 for c in codes.values()), (codes, self.logs())
+        evs = self.all_events()
+        recs = [e for e in evs if e["event"] == "recovery"]
+        assert len(recs) == failures, (recs, self.logs())
+        for r in recs:
+            assert r["redone_minibatches"] <= 1, r
+        loaded = [e for e in evs if e["event"] == "loaded"]
+        # every rank of the last attempt reported the step it loaded: the same one
+        last = max((e for e in evs if e["event"] == "rendezvous"), key=lambda e: e["round"])["round"]
+        last_loaded = [e for e in loaded if e["t"] >= _round_start(evs, last)]
+        assert len(last_loaded) == self.nnodes * self.nproc, (last_loaded, self.logs())
+        assert len({json.dumps(e["loaded"]) for e in last_loaded}) == 1, last_loaded
+        nodes = {e.get("node") for e in evs if e["event"] == "job_end"}
+        assert len(nodes) == len(codes), "every agent wrote its own timeline, naming its node"
+        assert_same_state(reference, self.out)
+        return evs
+
+
+def _round_start(evs: list[dict], rnd: int) -> float:
+    return min(e["t"] for e in evs if e["event"] == "rendezvous" and e["round"] == rnd)
+
+
+@pytest.fixture(scope="session")
+def mn_reference(tmp_path_factory):
+    """Failure-free plain-torchrun runs of the same world in namespaces."""
+    cache: dict[tuple[int, int, int], Path] = {}
+
+    def get(nnodes: int, nproc: int, steps: int) -> Path:
+        key = (nnodes, nproc, steps)
+        if key not in cache:
+            dest = tmp_path_factory.mktemp("mnref") / f"ref-{nnodes}x{nproc}-{steps}.pt"
+            with Cluster(nnodes, tag="r") as c:
+                procs = []
+                for node in c.nodes:
+                    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"{c.nodes[0].addr}:{PORT}", "--rdzv-id", "ref",
+                           "--rdzv-conf", f"is_host={int(node.index == 0)}", "--local-addr", node.addr,
+                           str(TRAIN), "--steps", str(steps), "--out", str(dest)]
+                    procs.append(node.run(cmd, name=f"ref{node.index}",
+                                          env={**BASE_ENV, "GLOO_SOCKET_IFNAME": node.ifname}))
+                for p in procs:
+                    assert p.wait(timeout=240) == 0, p.output()[-3000:]
+            cache[key] = dest
+        return cache[key]
+
+    return get
+
+
+def _fault(rank: int, kind: str, phase: str = "backward", step: int = 9) -> dict:
+    return {"JITCKPT_FAULT": f"rank={rank},step={step},phase={phase},kind={kind}"}
+
+
+STEPS = 24
+
+
+@pytest.mark.parametrize("nnodes,nproc,kind,phase", [
+    (2, 1, "sigkill", "backward"),
+    (2, 1, "sigstop", "forward"),
+    (2, 1, "exception", "optimizer"),
+    (2, 2, "sigkill", "allreduce"),
+    (2, 2, "sigstop", "backward"),
+    (3, 1, "sigkill", "forward"),
+    (3, 1, "exception", "backward"),
+    (3, 2, "sigkill", "backward"),
+])
+def test_rank_failure(nnodes, nproc, kind, phase, mn_reference):
+    ref = mn_reference(nnodes, nproc, STEPS)
+    with Cluster(nnodes) as c:
+        job = Job(c, nproc, STEPS)
+        job.start_all(env=_fault(nnodes * nproc - 1, kind, phase))
+        evs = job.assert_recovered(ref)
+        # the failed rank's node had no replica: it was decided job-wide and fetched
+        dec = [e for e in evs if e["event"] == "restore_decision"]
+        assert dec and len({e["step"] for e in dec}) == 1, dec
+
+
+@pytest.mark.parametrize("nnodes,nproc", [(2, 1), (3, 2)])
+def test_slow_save_fn(nnodes, nproc, mn_reference):
+    """A 2 s save_fn: the node whose rank died waits for the job-wide decision
+    instead of choosing from its own (empty) disk."""
+    ref = mn_reference(nnodes, nproc, STEPS)
+    with Cluster(nnodes) as c:
+        job = Job(c, nproc, STEPS, train=["--save-sleep", "2"])
+        job.start_all(env=_fault(nnodes * nproc - 1, "sigkill"))
+        evs = job.assert_recovered(ref)
+        saved = [e for e in evs if e["event"] == "checkpoint_saved"]
+        assert saved and all(e["seconds"] >= 2 for e in saved)
+
+
+LONG = 90  # steps at 0.05 s extra each: long enough to lose a node mid-training
+
+
+@pytest.mark.parametrize("nnodes,nproc", [(2, 1), (3, 1), (2, 2)])
+def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
+    ref = mn_reference(nnodes, nproc, LONG)
+    with Cluster(nnodes) as c:
+        job = Job(c, nproc, LONG, train=["--step-sleep", "0.05"])
+        job.start_all()
+        job.wait_for_output("agent0", "step   10")
+        lost = c.nodes[-1]
+        assert lost.kill(), "the node had processes"
+        time.sleep(3)
+        new = c.add_node()
+        job.start(new, name="replacement")
+        evs = job.assert_recovered(ref, skip=(f"agent{lost.index}",))
+        assert any(e["event"] == "replica_fetched" for e in job.events("replacement")), job.logs()
+        dec = next(e for e in evs if e["event"] == "restore_decision")
+        assert dec["lost"], dec
+
+
+@pytest.mark.parametrize("nnodes,nproc", [(2, 1), (3, 1)])
+def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
+    """A spare agent waits from the start; its arrival restarts nothing."""
+    ref = mn_reference(nnodes, nproc, LONG)
+    with Cluster(nnodes) as c:
+        job = Job(c, nproc, LONG, train=["--step-sleep", "0.05"])
+        job.start_all()
+        spare = c.add_node()
+        job.start(spare, name="spare")
+        job.wait_for_output("agent0", "step   10")
+        assert not [e for e in job.events("agent0") if e["event"] == "restart"]
+        lost = c.nodes[nnodes - 1]
+        lost.kill()
+        evs = job.assert_recovered(ref, skip=(f"agent{lost.index}",))
+        rdzv = [e for e in evs if e["event"] == "rendezvous"]
+        assert max(e["round"] for e in rdzv) == 1, "the spare's arrival alone caused no round"
+        assert any(e["event"] == "loaded" for e in job.events("spare")), job.logs()
+
+
+def test_forced_divergence_is_refused(mn_reference):
+    """One rank made to load an older step than the job's: refused before any
+    training step, loudly, and never restarted."""
+    with Cluster(2) as c:
+        job = Job(c, 1, STEPS)
+        # first failure at step 5 (a replica of step 5), second at 12; on the
+        # restart after it rank 1 loads step 5 instead of 12
+        spec = ("rank=1,step=5,phase=backward,kind=sigkill;rank=1,step=12,phase=backward,kind=sigkill,attempt=1;"
+                "rank=1,phase=restore,kind=stale,attempt=2")
+        job.start_all(env={"JITCKPT_FAULT": spec})
+        codes = job.wait()
+        assert all(code != 0 for code in codes.values()), codes
+        evs = job.all_events()
+        div = [e for e in evs if e["event"] == "state_divergence"]
+        assert div, job.logs()
+        assert "loaded different checkpoints" in job.logs() and "REFUSING TO TRAIN" in job.logs()
+        assert any(e["event"] == "job_abort" for e in evs)
+        last = _round_start(evs, 2)
+        assert not [e for e in evs if e["event"] == "resumed" and e["t"] >= last], "no training step taken"
+        assert not [e for e in evs if e["event"] == "restart" and e["t"] >= last], "not restarted"
+
+
+def test_corrupt_transfer_is_retried_from_another_source(mn_reference):
+    ref = mn_reference(3, 1, STEPS)
+    with Cluster(3) as c:
+        job = Job(c, 1, STEPS)
+        # nodes 0 and 1 both save; node 0 (the first source) serves a corrupted copy
+        job.start_all(env=_fault(2, "sigkill"), env_of={0: {"JITCKPT_TEST_CORRUPT_TRANSFER": "1"},
+                                                         1: {"JITCKPT_TEST_CORRUPT_TRANSFER": ""}})
+        evs = job.assert_recovered(ref)
+        fails = [e for e in evs if e["event"] == "replica_fetch_failed"]
+        got = [e for e in evs if e["event"] == "replica_fetched"]
+        assert fails and "verification" in fails[0]["error"], evs
+        assert got and got[0]["source"].startswith(c.nodes[1].addr), got
+
+
+def test_lost_node_without_replacement_ends_clearly():
+    with Cluster(2) as c:
+        job = Job(c, 1, LONG, train=["--step-sleep", "0.05"], rdzv_conf="join_timeout=8")
+        job.start_all()
+        job.wait_for_output("agent0", "step   10")
+        c.nodes[1].kill()
+        codes = job.wait(timeout=120, skip=("agent1",))
+        assert codes["agent0"] != 0
+        out = job.procs["agent0"].output()
+        assert "lost node was not replaced" in out and "join_timeout" in out, out[-2000:]
+        assert "Traceback" not in out.split("jitrun timeline")[0][-1500:]
