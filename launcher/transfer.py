@@ -136,6 +136,7 @@ class ReplicaServer:
         sizes = [(rel, (path / rel).stat().st_size) for rel in files]
         self._store.set(_k(self._token, "data", tid, "meta"), json.dumps({"ok": True, "files": sizes}))
         n = 0
+        corrupt = self._corrupt
         for rel, _size in sizes:
             with open(path / rel, "rb") as fh:
                 while True:
@@ -145,7 +146,8 @@ class ReplicaServer:
                     if n >= WINDOW:
                         self._store.wait([_k(self._token, "data", tid, "ack", n - WINDOW)],
                                          timedelta(seconds=120))
-                    if self._corrupt and n == 0 and rel != layout.MANIFEST:
+                    if corrupt and rel != layout.MANIFEST:
+                        corrupt = False
                         data = bytes([data[0] ^ 0xFF]) + data[1:]
                     self._store.set(_k(self._token, "data", tid, "c", n), data)
                     n += 1
