@@ -68,6 +68,11 @@ def _default_addr() -> str:
     return socket.getfqdn()
 
 
+def _host_name() -> str:
+    # under Slurm the scheduler's name for this node (several slurmd may share a host)
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+
+
 def _mp_poll(p) -> Callable[[], int | None]:
     return lambda: p.exitcode
 
@@ -116,7 +121,7 @@ class JitAgent(LocalElasticAgent):
         self._fault_t: float | None = None
         self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES", "JITCKPT_ATTEMPT"}
         addr = self._worker_group.spec.local_addr or _default_addr()
-        self._node = decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=os.uname().nodename, addr=addr)
+        self._node = decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=_host_name(), addr=addr)
         events.node = self._node.node_id
         self._round = 0
         self._local_ranks: set[int] = set()
@@ -502,7 +507,7 @@ class JitAgent(LocalElasticAgent):
             "nproc_per_node": spec.local_world_size,
             "reasons": {str(k): v for k, v in (f.reasons if f else {}).items()},
             "restore_step": f.restore_step if f else None,
-            "hosts": [os.uname().nodename],
+            "hosts": [self._node.host],
             "devices": devices,
             "node": {"node_id": self._node.node_id, "host": self._node.host, "addr": self._node.addr},
             "failed_hosts": [self._node.host] if failed_ranks else [],

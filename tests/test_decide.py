@@ -1,0 +1,172 @@
+"""Unit tests of the job-wide pieces: the restore decision (launcher.decide),
+the loaded-state consistency check (jitckpt.consistency), replica transfer
+through a real TCPStore (launcher.transfer) and derived network settings."""
+
+from __future__ import annotations
+
+import threading
+import time
+from argparse import Namespace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from jitckpt import layout
+from jitckpt.consistency import FRESH, StateDivergence, check_loaded
+from jitrun import decide, netconf, transfer
+
+
+def inv(node: str, *reps: tuple[int, str, int]) -> dict:
+    return {"node_id": node, "host": node, "addr": node,
+            "replicas": [{"step": s, "shard": sh, "rank": r, "manifest_sha256": f"{node}{s}{sh}{r}", "saved_at": 1.0}
+                         for s, sh, r in reps]}
+
+
+NODES = [{"node_id": n, "host": n, "addr": n} for n in ("a", "b", "c")]
+
+
+def test_newest_step_complete_across_nodes():
+    # shard 0 on node a, shard 1 on node b: only together is step 7 complete
+    invs = [inv("a", (7, "0", 0), (5, "0", 0), (5, "1", 2)), inv("b", (7, "1", 3)), inv("c")]
+    d = decide.compute(1, invs, {"0": "0", "1": "0", "2": "1", "3": "1"}, NODES, decided_by="a")
+    assert d.step == 7 and d.shards == ["0", "1"]
+    assert [s["node_id"] for s in d.sources["1"]] == ["b"]
+    assert d.lost == []
+
+
+def test_incomplete_newest_falls_back_and_lost_nodes_are_named():
+    invs = [inv("a", (9, "0", 0), (4, "0", 0), (4, "1", 1))]
+    d = decide.compute(2, invs, {"0": "0", "1": "1"}, NODES, decided_by="a")
+    assert d.step == 4
+    assert [n["node_id"] for n in d.lost] == ["b", "c"]
+    assert "1 of 3" in d.why
+
+
+def test_nothing_complete():
+    d = decide.compute(0, [inv("a", (3, "0", 0))], {"0": "0", "1": "1"}, NODES[:1], decided_by="a")
+    assert d.step is None and d.sources == {} and "no step" in d.why
+
+
+def test_decision_roundtrip_and_first_writer_wins():
+    store = dist.HashStore()
+    a = decide.Coordinator(store, "tok", decide.NodeInfo("a", "a", "a"))
+    b = decide.Coordinator(store, "tok", decide.NodeInfo("b", "b", "b"))
+    da = decide.compute(3, [inv("a", (5, "0", 0))], {"0": "0"}, NODES[:2], decided_by="a")
+    db = decide.compute(3, [inv("b", (2, "0", 1))], {"0": "0"}, NODES[:2], decided_by="b")
+    assert a.publish(da).step == 5
+    assert b.publish(db).step == 5, "the later writer reads the decision in force"
+    assert b.latest() == a.decided(3)
+    assert decide.Coordinator(store, "other", decide.NodeInfo("x", "x", "x")).latest() is None
+
+
+def test_wait_inventories_takes_busy_nodes_until_final_and_drops_silent_ones():
+    store = dist.HashStore()
+    me = decide.Coordinator(store, "t", decide.NodeInfo("a", "a", "a"))
+    slow = decide.Coordinator(store, "t", decide.NodeInfo("b", "b", "b"))
+    me.post(0, inv("a"))
+    slow.handling(0)  # b is saving: wait for it; c never answered: lost
+    assert me.failed(0)
+    threading.Timer(0.5, lambda: slow.post(0, inv("b", (1, "0", 1)))).start()
+    t0 = time.monotonic()
+    got = me.wait_inventories(0, NODES, grace=t0 + 0.2, final=t0 + 10)
+    assert sorted(i["node_id"] for i in got) == ["a", "b"]
+    assert time.monotonic() - t0 < 5
+
+
+def test_consistency_refuses_different_steps_and_ignores_ranks_that_never_asked():
+    store = dist.HashStore()
+    res = {}
+
+    def rank(r, v):
+        try:
+            res[r] = check_loaded(store, "t", 1, r, 3, v, timeout_s=10)
+        except StateDivergence as e:
+            res[r] = e
+
+    ts = [threading.Thread(target=rank, args=a) for a in ((0, 12), (1, None), (2, 12))]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert all(isinstance(v, dict) for v in res.values()), res
+    ts = [threading.Thread(target=rank, args=a) for a in ((0, 12), (1, FRESH), (2, 12))]
+    store2 = dist.HashStore()
+    store = store2
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert all(isinstance(v, StateDivergence) for v in res.values()), res
+    assert "ranks [1]" in str(res[0]) and "No training step was taken" in str(res[0])
+
+
+def _replica(root: Path, step: int, rank: int, payload: bytes) -> Path:
+    tmp = layout.staging_dir(root, step, "0", rank)
+    (tmp / "state.pt").write_bytes(payload)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "x.bin").write_bytes(payload[::-1])
+    return layout.publish(tmp, root=root, step=step, shard="0", rank=rank, world_size=2, job_id="j")
+
+
+@pytest.fixture
+def tcp_store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=20))
+    yield server
+    del server
+
+
+def test_transfer_through_a_real_tcpstore(tmp_path, tcp_store, monkeypatch):
+    src_root, dst_root = tmp_path / "src", tmp_path / "dst"
+    payload = bytes(range(256)) * 70000  # ~17 MiB: several chunks, the window is exercised
+    rep = _replica(src_root, 8, 0, payload)
+    msha = layout.sha256_file(rep / layout.MANIFEST)
+    client = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, wait_for_workers=False)
+    server = transfer.ReplicaServer(client, "tok", "A", src_root, "j").start()
+    src = {"node_id": "A", "rank": 0, "manifest_sha256": msha}
+    path, errors, fetched = transfer.ensure_local(client, "tok", root=dst_root, job_id="j", step=8, shard="0",
+                                                  sources=[src], self_node="B", timeout_s=20)
+    assert errors == [] and fetched == "A"
+    ok = layout.verify(path, "j")
+    assert isinstance(ok, layout.Replica) and (path / "state.pt").read_bytes() == payload
+    # already local: no transfer
+    assert transfer.ensure_local(client, "tok", root=dst_root, job_id="j", step=8, shard="0",
+                                 sources=[src], self_node="B")[2] is None
+    # a lying source (manifest checksum differs from the announced one) is refused, nothing left behind
+    bad = {**src, "manifest_sha256": "0" * 64}
+    path2, errors2, _ = transfer.ensure_local(client, "tok", root=tmp_path / "dst2", job_id="j", step=8,
+                                              shard="0", sources=[bad], self_node="B", timeout_s=20)
+    assert path2 is None and "does not match" in errors2[0]
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "dst2").rglob("*"))
+    assert server.stop(client)
+
+
+def test_transfer_detects_corruption_and_uses_the_next_source(tmp_path, tcp_store, monkeypatch):
+    payload = b"weights" * 1000
+    a_root, b_root = tmp_path / "a", tmp_path / "b"
+    msha_a = layout.sha256_file(_replica(a_root, 3, 0, payload) / layout.MANIFEST)
+    msha_b = layout.sha256_file(_replica(b_root, 3, 1, payload) / layout.MANIFEST)
+    client = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, wait_for_workers=False)
+    monkeypatch.setenv(transfer.CORRUPT_ENV, "1")
+    bad_server = transfer.ReplicaServer(client, "tok", "A", a_root, "j").start()
+    monkeypatch.delenv(transfer.CORRUPT_ENV)
+    good_server = transfer.ReplicaServer(client, "tok", "B", b_root, "j").start()
+    sources = [{"node_id": "A", "rank": 0, "manifest_sha256": msha_a},
+               {"node_id": "B", "rank": 1, "manifest_sha256": msha_b}]
+    path, errors, fetched = transfer.ensure_local(client, "tok", root=tmp_path / "c", job_id="j", step=3,
+                                                  shard="0", sources=sources, self_node="C", timeout_s=20)
+    assert fetched == "B" and len(errors) == 1 and "checksum mismatch" in errors[0]
+    assert (path / "state.pt").read_bytes() == payload
+    assert bad_server.stop(client) and good_server.stop(client)
+
+
+def test_netconf_derives_interface_and_is_host():
+    lo_only = netconf.local_ipv4()
+    assert lo_only.get("lo") == "127.0.0.1"
+    env: dict = {}
+    args = Namespace(local_addr="127.0.0.1", rdzv_backend="c10d", rdzv_endpoint="localhost:29400", rdzv_conf="")
+    assert netconf.derive(args, env) == [] and env == {}, "loopback says nothing about the job's interface"
+    other = Namespace(local_addr=None, rdzv_backend="c10d", rdzv_endpoint="192.0.2.77:29400", rdzv_conf="x=1")
+    said = netconf.derive(other, env)
+    assert other.rdzv_conf == "x=1,is_host=0" and said
+    given = Namespace(local_addr=None, rdzv_backend="c10d", rdzv_endpoint="192.0.2.77:29400", rdzv_conf="is_host=1")
+    netconf.derive(given, env)
+    assert given.rdzv_conf == "is_host=1", "what the user set wins"
