@@ -28,6 +28,11 @@ def main() -> None:
             sys.argv = argv
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
+        rt.report("finished", step=rt.steps_done)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            rt.report("finished", step=rt.steps_done)
+        raise
     except Exception as e:
         # A collective failure that escaped the user's code (e.g. from DDP's
         # buffer broadcast in forward) still leads to the JIT save. Done here

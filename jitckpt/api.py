@@ -85,6 +85,16 @@ def register(save_fn: SaveFn, *, shard: str | int | None = None) -> None:
     rt.report("registered", shard=shard_name, pid=os.getpid())
 
 
+def checkpoint_step() -> int:
+    """The minibatch a JIT checkpoint being saved describes: its state is that
+    at the start of this minibatch (the number of optimizer steps done). Call
+    it from save_fn and save it as your step counter: it is always right, also
+    when the save is taken at a collective after the training loop."""
+    rt = _get_runtime()
+    rt.step_read = True
+    return rt.steps_done
+
+
 def get_checkpoint_path() -> str | None:
     """Directory of the newest complete replica checkpoint for this rank's
     shard, verified against its manifest checksums, or None."""
@@ -109,6 +119,20 @@ def get_checkpoint_path() -> str | None:
     if step is None:
         return None
     rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
+    if rep is None and env_step:
+        # The job chose a step whose replica here failed verification after
+        # the choice (corrupted since): the newest valid older one, loudly.
+        # If other ranks did load the chosen step, the job-wide consistency
+        # check stops the job before any training step.
+        older = layout.select_step(replicas, {rt.shard}, max_step=step - 1)
+        print(f"[jitckpt] rank {cfg.rank}: WARNING: no valid replica of the chosen step {step} for shard "
+              f"{rt.shard} on this node ({'; '.join(w for p, w in rejected if f'step-{step}' in str(p)) or 'absent'});"
+              f" falling back to {'step ' + str(older) if older is not None else 'a fresh start'}",
+              file=sys.stderr, flush=True)
+        rt.report("restore_fallback", chosen=step, used=older)
+        if older is None:
+            return None
+        rep = layout.pick_replica(replicas, older, rt.shard, prefer_rank=cfg.rank)
     if rep is None:
         return None
     rt.steps_done = rep.step

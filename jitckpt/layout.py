@@ -257,6 +257,10 @@ def _verify_manifest(path: Path, manifest: dict, job_id: str | None) -> Replica 
         return "manifest not marked complete"
     if job_id is not None and manifest.get("job_id") != job_id:
         return f"belongs to job {manifest.get('job_id')!r}"
+    if manifest.get("step_unverified"):
+        return ("step label unverified: saved at a collective after optimizer step "
+                f"{manifest.get('step')} with no minibatch start in between, and save_fn did not call "
+                "jitckpt.checkpoint_step()")
     files = manifest.get("files") or {}
     present = set(_list_files(path))
     if present != set(files):

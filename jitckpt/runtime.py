@@ -96,6 +96,7 @@ class Runtime:
         # libintercept's replay log is cleared here when the shim is loaded
         self.on_minibatch_begin: Callable[[], None] | None = None
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
+        self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
                                          announce=self._announce_fault)
 
@@ -192,9 +193,12 @@ class Runtime:
 
     def on_collective(self) -> None:
         # The first collective after an optimizer step is, by contract, the
-        # start of the next minibatch (the user's bookkeeping is done).
+        # start of the next minibatch (the user's bookkeeping is done). Unless
+        # it is not (a barrier after the training loop): such a save is marked
+        # so that it is only restored when save_fn labelled its state with
+        # checkpoint_step() (see _jit_save).
         if self.deferred is not None:
-            self._save_deferred()
+            self._save_deferred(post_step=self.phase is Phase.POST)
         if self.phase is Phase.POST:
             with self._lock:
                 self.phase, self.phase_t = Phase.FWD, time.monotonic()
@@ -259,7 +263,7 @@ class Runtime:
         self._save_and_exit(reason, phase, announced=announced)
         return True  # unreachable
 
-    def _save_deferred(self) -> None:
+    def _save_deferred(self, post_step: bool = False) -> None:
         with self._lock:
             if self.saving:
                 park = True
@@ -269,7 +273,7 @@ class Runtime:
                 reason = self.deferred or "deferred"
         if park:
             self._halt.wait()
-        self._save_and_exit(reason, Phase.FWD, announced=True)
+        self._save_and_exit(reason, Phase.POST if post_step else Phase.FWD, announced=True)
 
     def on_collective_error(self, exc: BaseException) -> None:
         waited = time.monotonic() - self.phase_t
@@ -290,7 +294,7 @@ class Runtime:
             elif self.save_fn is None:
                 self.report("checkpoint_skipped", why="no save_fn registered (jitckpt.register)")
             else:
-                self._jit_save()
+                self._jit_save("post-step" if phase is Phase.POST else "minibatch-start")
                 code = _config.EXIT_SAVED
         except BaseException as e:  # report, then exit; the launcher uses another replica
             self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
@@ -300,7 +304,7 @@ class Runtime:
             sys.stderr.flush()
             os._exit(code)
 
-    def _jit_save(self) -> None:
+    def _jit_save(self, point: str = "minibatch-start") -> None:
         cfg = self.cfg
         assert cfg.root is not None and self.save_fn is not None
         t0 = time.monotonic()
@@ -309,11 +313,23 @@ class Runtime:
         old_umask = os.umask(0o077)
         try:
             tmp = layout.staging_dir(cfg.root, step, self.shard, cfg.rank)
+            self.step_read = False
             self.save_fn(str(tmp))
             self.injector.maybe_fire("save", step)
+            extra: dict = {"progress_step": step, "point": point}
+            if point == "post-step" and not self.step_read:
+                # After an optimizer step, at a collective that no minibatch
+                # start followed: the user's own step counter may still name
+                # the minibatch just done (a barrier after the loop). Restoring
+                # it would redo that minibatch on updated weights.
+                extra["step_unverified"] = True
+                print(f"[jitckpt] rank {cfg.rank}: WARNING: JIT save at a collective after optimizer step "
+                      f"{step} with no minibatch start in between; save_fn did not call "
+                      "jitckpt.checkpoint_step(), so this checkpoint's step label cannot be trusted and it "
+                      "will not be restored. Record jitckpt.checkpoint_step() as your step in save_fn.",
+                      file=sys.stderr, flush=True)
             path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
-                                  world_size=cfg.world_size, job_id=cfg.job_id,
-                                  extra={"progress_step": step})
+                                  world_size=cfg.world_size, job_id=cfg.job_id, extra=extra)
         finally:
             os.umask(old_umask)
         self.report("checkpoint_saved", step=step, shard=self.shard, path=str(path),

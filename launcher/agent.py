@@ -77,6 +77,16 @@ def _mp_poll(p) -> Callable[[], int | None]:
     return lambda: p.exitcode
 
 
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a process, in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            f = fh.read().rsplit(")", 1)[1].split()
+        return int(f[11]) + int(f[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _proc_state(pid: int) -> str | None:
     """The one-letter state from /proc/PID/stat (T = stopped)."""
     try:
@@ -129,6 +139,11 @@ class JitAgent(LocalElasticAgent):
         self._server: transfer.ReplicaServer | None = None
         self._decision: decide.Decision | None = None
         self._spare_seen = False
+        self._finished: set[int] = set()  # ranks of the job that finished their script (reports)
+        # rank -> (CPU ticks, when they last changed): a failed process's last
+        # sign of life, the failure time when no injector stamped it
+        self._life: dict[int, tuple[int, float]] = {}
+        self._loaded: dict[int, object] = {}  # rank -> step it loaded, this round (reports)
         handler = self._worker_group.spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
@@ -152,6 +167,10 @@ class JitAgent(LocalElasticAgent):
         if ev == "registered":
             self._shards[rank] = m["shard"]
             return
+        if ev == "finished":
+            self._finished.add(rank)
+        if ev == "loaded":
+            self._loaded[rank] = m.get("loaded")
         # every node reads every rank's reports (the job's decisions need
         # them) but writes only its own ranks' to its timeline
         local = rank is None or rank in self._local_ranks
@@ -198,6 +217,8 @@ class JitAgent(LocalElasticAgent):
         # whose own restart count starts at 0
         os.environ["JITCKPT_ATTEMPT"] = str(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
+        self._loaded.clear()
+        self._life.clear()
         store = rdzv.coordination_store(handler)
         if store is not None:
             if self._coord is None:
@@ -306,8 +327,16 @@ class JitAgent(LocalElasticAgent):
             if k in os.environ:
                 worker_env[k] = os.environ[k]
 
+    def _track_life(self, wg: WorkerGroup) -> None:
+        now = time.time()
+        for r, p in self._procs(wg).items():
+            ticks = _cpu_ticks(p.pid)
+            if ticks is not None and (r not in self._life or self._life[r][0] != ticks):
+                self._life[r] = (ticks, now)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         msgs = self._poll(worker_group, absorb=False)
+        self._track_life(worker_group)
         codes = self._exit_codes(worker_group)
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         # An injected fault's announcement only timestamps the failure; detection
@@ -318,6 +347,14 @@ class JitAgent(LocalElasticAgent):
         reported = any(m["event"] == "failure_detected" for m in msgs)
         if not failed and not reported and self._coord is not None and self._coord.failed(self._round):
             reported = True  # another node's agent is handling a failure of this round
+        self._finished |= {r for m in msgs if m["event"] == "finished" for r in [m["rank"]]}
+        if not failed and not reported and self._finished:
+            # No collective is left to time out once a peer finished: a rank
+            # stopped in its last minibatch would be waited on forever.
+            for r, c in codes.items():
+                if c is None and _proc_state(self._procs(worker_group)[r].pid) == "T":
+                    failed[r] = -int(signal.SIGSTOP)
+                    self._events.emit("failure_detected", rank=r, reason="stopped after peers finished")
         if failed or reported:
             self._failure = _Failure(time.time())
             self._failure.fault_t, self._fault_t = self._fault_t, None
@@ -407,8 +444,16 @@ class JitAgent(LocalElasticAgent):
                   "'state divergence' lines); no training step was taken and the job is not restarted. "
                   "Check that every node sees the same jit dir contents or can reach the others.",
                   file=sys.stderr, flush=True)
-        else:
-            self._choose_restore(f, wg)
+        elif self._choose_restore(f, wg):
+            # The failure came after the last minibatch of a replica of every
+            # shard: the job's result exists; restarting would redo it all.
+            self._events.emit("finished_despite_failure", failed_ranks=sorted(f.reasons),
+                              finished_ranks=sorted(self._finished | {k for k, c in self._exited.items() if c == 0}))
+            print("jitrun: a rank failed after its replicas finished the job; the finished replicas' result "
+                  "stands, nothing to restart", flush=True)
+            self._failure = None
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={r: None for r in handlers})
         failures = {}
         local_of = {w.global_rank: w.local_rank for w in wg.workers}
         for r, h in handlers.items():
@@ -418,6 +463,12 @@ class JitAgent(LocalElasticAgent):
                 failures[r] = ProcessFailure(local_rank=lr, pid=h.pid, exitcode=code,
                                              error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _last_alive(self, f: _Failure) -> float | None:
+        """When the first of this node's failed ranks last used CPU."""
+        culprits = set(f.killed) | {r for r, c in self._exited.items() if c not in (0, EXIT_SAVED, 76)}
+        times = [self._life[r][1] for r in culprits if r in self._life]
+        return min(times) if times else None
 
     def _may_still_save(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
         """Could a live rank still publish a checkpoint? Not one without a
@@ -435,14 +486,21 @@ class JitAgent(LocalElasticAgent):
             return True
         return False
 
-    def _choose_restore(self, f: _Failure, wg: WorkerGroup) -> None:
+    def _choose_restore(self, f: _Failure, wg: WorkerGroup) -> bool:
+        """Set the restore step; True when there is nothing to restart (every
+        shard has a replica that finished the job before the failure)."""
         jit_steps = {int(m["step"]) for m in f.saved.values()}
         if self._coord is None:  # a backend without a store (static): this node's disk is all we know
             replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
             shards = set(self._shards.values()) | {r.shard for r in replicas} or {"0"}
             step = layout.select_step(replicas, shards)
+            done = self._finished | {k for k, c in self._exited.items() if c == 0}
+            if self._shards and all(any(self._shards.get(r) == sh for r in done) for sh in shards):
+                return True
         else:
             d = self._decide(f, wg)
+            if d.complete:
+                return True
             step = d.step
             # saved after this failure was seen, on any node (this agent may
             # not have read the other nodes' reports yet)
@@ -457,6 +515,7 @@ class JitAgent(LocalElasticAgent):
                   flush=True)
         f.restore_step = step
         os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
+        return False
 
     def _decide(self, f: _Failure, wg: WorkerGroup) -> decide.Decision:
         """The job-wide decision for this failure: post this node's replicas,
@@ -466,7 +525,10 @@ class JitAgent(LocalElasticAgent):
         coord = self._coord
         assert coord is not None
         r = self._round
-        coord.post(r, decide.inventory(self._jit.root, self._jit.job_id, self._node))
+        finished = self._finished | {k for k, c in self._exited.items() if c == 0}
+        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, finished)
+        inv["last_alive"] = self._last_alive(f)
+        coord.post(r, inv)
         nodes = coord.nodes(r, wg.group_world_size)
         # every live agent joins within a monitor tick of the first one (the
         # round's "failed" key); one that has not started by then is gone
@@ -475,6 +537,9 @@ class JitAgent(LocalElasticAgent):
         invs = coord.wait_inventories(r, nodes, grace, final)
         d = decide.compute(r, invs, {str(k): v for k, v in self._shards.items()}, nodes,
                            decided_by=self._node.node_id)
+        lives = [i["last_alive"] for i in invs if i.get("last_alive")]
+        if f.fault_t is None and lives:
+            f.fault_t = min(min(lives), f.detected_t)
         won = coord.publish(d)
         self._decision = won
         self._events.emit("restore_decision", round=r, step=won.step, why=won.why, decided_by=won.decided_by,
@@ -549,8 +614,16 @@ class JitAgent(LocalElasticAgent):
             self._pending = None  # the deciding node writes the job's recovery line
             return
         self._pending = None
+        if f.fault_t is None:
+            f.fault_t = self._last_alive(f)
         failure_t = f.fault_t if f.fault_t is not None else f.detected_t
-        restore = f.restore_step if f.restore_step is not None else 0
+        # what the ranks actually loaded, not the plan
+        loaded = {v for v in self._loaded.values() if v is not None}
+        if len(loaded) == 1:
+            got = next(iter(loaded))
+            restore = got if isinstance(got, int) else 0  # "fresh": from the start
+        else:
+            restore = f.restore_step if f.restore_step is not None else 0
         rec = {
             "failure_t": failure_t,
             "detection_s": round(f.detected_t - failure_t, 3),
@@ -561,7 +634,8 @@ class JitAgent(LocalElasticAgent):
             "progress_step": f.progress,
             # the minibatch in progress at the failure (index f.progress) and
             # every one after the restore step up to it are done again
-            "redone_minibatches": max(f.progress + 1 - restore, 0),
+            # (unknown when no rank reported its step before it stopped)
+            "redone_minibatches": max(f.progress + 1 - restore, 0) if f.progress >= 0 else None,
             "minibatch_s": statistics.median(f.minibatch_s) if f.minibatch_s else None,
         }
         self._events.emit("recovery", **rec)

@@ -50,6 +50,9 @@ class Decision:
     why: str
     decided_by: str
     t: float = field(default_factory=time.time)
+    # every shard has a replica that finished the job (its work is done; the
+    # failure came after that replica's last minibatch): nothing to restart
+    complete: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -60,12 +63,13 @@ class Decision:
         return Decision(**d)
 
 
-def inventory(root: Path, job_id: str, node: NodeInfo) -> dict:
-    """This node's verified replicas (checksums checked now)."""
+def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = frozenset()) -> dict:
+    """This node's verified replicas (checksums checked now), and the ranks it
+    knows finished the job."""
     good, _bad = layout.scan(root, job_id)
     reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
              "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
-    return {**asdict(node), "replicas": reps}
+    return {**asdict(node), "replicas": reps, "finished": sorted(finished)}
 
 
 def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str], nodes: list[dict],
@@ -90,8 +94,13 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
     else:
         why = f"newest step with a replica of every shard ({len(inventories)} of {len(nodes) or '?'} nodes answered)"
     sources = {sh: holders[(step, sh)] for sh in shards} if step is not None else {}
+    finished = {str(r) for i in inventories for r in i.get("finished", ())}
+    complete = bool(shard_of_rank) and all(
+        any(shard_of_rank.get(r) == sh for r in finished) for sh in shards)
+    if complete:
+        why = "every shard has a replica that finished the job"
     return Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
-                    nodes=nodes, lost=lost, why=why, decided_by=decided_by)
+                    nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete)
 
 
 class Coordinator:

@@ -64,7 +64,8 @@ def summary(events: list[dict]) -> str:
                 f"  recovery: failure->resumed {e['failure_to_resumed_s']:.2f}s "
                 f"(detect {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
                 f"restart->resumed {e['restart_to_resumed_s']:.2f}s), resumed at step "
-                f"{e['restore_step']}, redone minibatches {e['redone_minibatches']}"
+                f"{e['restore_step']}, redone minibatches "
+                f"{'unknown' if e['redone_minibatches'] is None else e['redone_minibatches']}"
             )
     return "jitrun timeline:\n" + "\n".join(lines) if lines else "jitrun: no failures"
 

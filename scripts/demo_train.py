@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    ap.add_argument("--final-barrier", action="store_true", help="a dist.barrier() after the training loop")
     ap.add_argument("--save-sleep", type=float, default=0.0, help="extra seconds inside save_fn (a slow save)")
     ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
     ap.add_argument("--log-every", type=int, default=10)
@@ -92,11 +93,16 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     cursor = {"step": 0, "rng": torch.get_rng_state()}
 
-    def save_fn(ckpt_dir: str) -> None:
+    def write_state(ckpt_dir: str, step: int) -> None:
         if args.save_sleep:
             time.sleep(args.save_sleep)
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-                    "step": cursor["step"], "rng": cursor["rng"]}, os.path.join(ckpt_dir, "state.pt"))
+                    "step": step, "rng": cursor["rng"]}, os.path.join(ckpt_dir, "state.pt"))
+
+    def save_fn(ckpt_dir: str) -> None:
+        # checkpoint_step(): the minibatch this JIT save describes (cursor["step"] inside the loop,
+        # and still right when the save is taken at a collective after the loop)
+        write_state(ckpt_dir, jitckpt.checkpoint_step())
 
     jitckpt.register(save_fn)
     path = jitckpt.get_checkpoint_path()
@@ -132,7 +138,7 @@ def main() -> None:
             cursor["step"], cursor["rng"] = step + 1, torch.get_rng_state()
             os.makedirs(args.ckpt_dir, exist_ok=True)
             tmp = periodic + ".tmp"
-            save_fn(args.ckpt_dir)
+            write_state(args.ckpt_dir, step + 1)
             os.replace(os.path.join(args.ckpt_dir, "state.pt"), tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -140,6 +146,8 @@ def main() -> None:
             print(f"[rank 0] periodic checkpoint at step {step + 1}", flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
+    if args.final_barrier:
+        dist.barrier()
     if rank == 0:
         print(f"[rank 0] trained {args.steps - start} steps in {time.time() - t0:.2f}s", flush=True)
         if args.out:

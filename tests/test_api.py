@@ -148,11 +148,28 @@ def test_restore_skips_corrupt_replica(jit_dir, monkeypatch, capsys):
     assert "ignoring" in err and str(bad) in err and "checksum mismatch" in err
 
 
-def test_restore_none_when_only_replica_is_corrupt(jit_dir, monkeypatch):
+def test_chosen_step_corrupt_falls_back_to_newest_valid_loudly(jit_dir, monkeypatch, capsys):
     _corrupt(_save(jit_dir, 5, 0))
     _save(jit_dir, 4, 0)
+    _save(jit_dir, 2, 0)
+    monkeypatch.setenv("JITCKPT_RESTORE_STEP", "5")
+    assert api.get_checkpoint_path() == str(layout.replica_dir(jit_dir, 4, "0", 0))
+    err = capsys.readouterr().err
+    assert "chosen step 5" in err and "checksum mismatch" in err and "falling back to step 4" in err
+
+
+def test_restore_none_when_no_valid_replica_at_or_below_the_chosen_step(jit_dir, monkeypatch, capsys):
+    _corrupt(_save(jit_dir, 5, 0))
+    _save(jit_dir, 7, 0)  # newer than the job's choice: never used
     monkeypatch.setenv("JITCKPT_RESTORE_STEP", "5")
     assert api.get_checkpoint_path() is None
+    assert "a fresh start" in capsys.readouterr().err
+
+
+def test_checkpoint_step_marks_the_label_as_read():
+    rt = api._get_runtime()
+    rt.steps_done, rt.step_read = 11, False
+    assert api.checkpoint_step() == 11 and rt.step_read
 
 
 def test_restore_step_none(jit_dir, monkeypatch):

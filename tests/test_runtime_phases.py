@@ -131,7 +131,9 @@ def test_request_save_deferred_in_opt_and_post(rt, where, next_hook):
     with pytest.raises(SaveCalled):
         {"forward": rt.on_forward, "collective": rt.on_collective,
          "backward": lambda: rt.on_backward(None)}[next_hook]()
-    assert rt.saves == [("sigterm", Phase.FWD)]
+    # a plain collective after the step is marked post-step: its label must be
+    # confirmed by save_fn (checkpoint_step()) before it can be restored
+    assert rt.saves == [("sigterm", Phase.POST if next_hook == "collective" else Phase.FWD)]
     assert rt.saving
     assert rt.steps_done == 2  # the checkpoint is of the start of the next minibatch
 
@@ -263,3 +265,31 @@ def test_jit_save_fault_in_save_phase_leaves_no_replica(tmp_path):
     good, bad = layout.scan(tmp_path, "job-rt")
     assert good == []
     assert [why for _, why in bad] == ["incomplete save (staging dir)"]
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_post_step_save_is_restorable_only_when_save_fn_reads_checkpoint_step(tmp_path, labels):
+    """A save at a collective after the optimizer step with no minibatch start
+    in between (a barrier after the loop) describes the state after the step;
+    unless save_fn recorded checkpoint_step(), its label is refused."""
+    from jitckpt import api
+
+    r = Runtime(_cfg(tmp_path))
+
+    def save_fn(d):
+        if labels:
+            api._runtime, old = r, api._runtime
+            try:
+                assert api.checkpoint_step() == 3
+            finally:
+                api._runtime = old
+        Path(d, "state.pt").write_bytes(b"x")
+
+    r.save_fn, r.steps_done = save_fn, 3
+    r._jit_save("post-step")
+    got = layout.verify(layout.replica_dir(tmp_path, 3, "0", 0), "job-rt")
+    if labels:
+        assert isinstance(got, layout.Replica)
+    else:
+        assert isinstance(got, str) and "step label unverified" in got
+        assert layout.scan(tmp_path, "job-rt")[0] == []

@@ -1,0 +1,571 @@
+"""Multi-node recovery: jitrun vs plain torchrun + periodic checkpoints, nodes as network namespaces.
+
+    python scripts/bench_multinode.py [--quick] [--cases a,b,c] [--cap 150] [--json FILE] [--publish]
+                                      [--keep DIR] [-v]
+    python scripts/bench_recovery.py --multinode [the same options]
+
+Needs root (network and mount namespaces: tests/netns.py, the multi-node test
+harness). Outputs: the raw measurements in build/bench/multinode.json
+(untracked); ``--publish`` writes bench_results/multinode.json instead.
+
+The world: 2 nodes x 1 rank (gloo, CPU), each node a network namespace with
+its own address, each launcher process tree in a private mount namespace
+whose --jit-dir and /dev/shm are a tmpfs of its own (a node cannot read
+another node's disk; a killed node's disk is gone). The demo LM trains
+``--steps`` steps (120) with ``--step-sleep 0.05 --log-every 1``. Cases, each
+run under both launchers in the same session, one run at a time (the machine
+has 2 cores), the launcher order alternating from case to case:
+
+a  rank 1 SIGKILLed in the backward pass of step F (47), its node and agent
+   intact: JITCKPT_FAULT="rank=1,step=F,phase=backward,kind=sigkill"
+   (torchrun: the trainer started through ``-m jitckpt._bootstrap``, which
+   only injects the fault);
+b  node 1 lost (every process in its namespace SIGKILLed: agent + worker)
+   when rank 0 has printed step F, with a hot spare: a third node whose agent
+   (the same command) was started when rank 0 printed step 0, i.e. after the
+   job's round was complete, and has waited since;
+c  node 1 lost the same way, and a replacement node started ``--replace-delay``
+   (3) s after the kill, with the same command.
+
+jitrun: ``--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-conf
+keep_alive_interval=2 --max-restarts 3 --jit-timeout 5``, per-node --jit-dir,
+--local-addr (it derives GLOO_SOCKET_IFNAME and is_host itself).
+torchrun: the same rendezvous arguments plus ``is_host=1`` on node 0 and
+``is_host=0`` elsewhere and GLOO_SOCKET_IFNAME=eth0, ``--max-restarts 3``, and
+the trainer's periodic checkpoint every ``--ckpt-every`` (10) steps into a
+directory every node sees (a host path outside the namespaces' private
+mounts): periodic checkpoints go to shared storage in practice; on a node's
+own disk they would be lost with the node. torchrun 2.13 is not expected to
+recover b or c: its c10d rendezvous does not republish MASTER_ADDR for a
+later round, so a node that joins after the first round times out (~60 s).
+Every run is capped at ``--cap`` s; a run still going then is killed (every
+process in the run's namespaces, by PID) and reported as failed.
+
+Reference: one failure-free plain torchrun run of the same world in
+namespaces (no checkpoints). "identical" = final model+optimizer state equal
+to it bit for bit (scripts/compare_state.diff_states).
+
+The clock. The harness sends the merged stdout+stderr of each node's process
+tree (agent and its workers) to a log file. This script polls every log file
+every ``POLL_S`` (10 ms) in its one loop and timestamps each new complete
+line with time.time() when it reads it, so a line's time is its write time
+plus at most ~10 ms (plus scheduling delay on the loaded machine). The same
+loop starts the spare, kills node 1 right after reading rank 0's line of step
+F (the kill time is time.time() just before the kill) and starts the
+replacement. jitrun's events.jsonl (copied out of each node's private jit dir
+when its agent exits) carries time.time() of the process that wrote it:
+namespaces share the host's clock, so all times compare directly.
+
+Per run:
+
+fault        a/jitrun: ``fault_injected`` in events.jsonl. a/torchrun (nothing
+             reports it): the arrival of step F-1's line, the end of the last
+             minibatch before the fault, a few ms early (the footer gives the
+             error of this estimate measured on the jitrun run). b, c: the
+             moment this script killed node 1.
+restore      the step both ranks loaded after the failure (their "resumed
+             from ... at step N" lines); 0 for a restart from scratch.
+redone mb    minibatches computed again: P + 1 - restore, P the minibatch in
+             progress at the failure (a: F; b/c: 1 + the last step rank 0
+             printed before the kill).
+fail->res    fault -> the first step line after the restart (the first
+             minibatch done again: the definition of bench_recovery.py and of
+             events.jsonl's failure_to_resumed_s).
+wall         the first agent started -> the last agent exited (start-up
+             included).
+exit codes   every agent (bash wrapper) by name; -9 for the lost node's.
+ratio        jitrun fail->res / torchrun fail->res, where both recovered.
+
+The machine is shared (2 cores, other people's tests): step and start-up
+times swing by tens of percent between runs; compare the ratios, measured in
+the same session, rather than absolute seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+OUT_DIR = REPO / "build" / "bench"  # default, untracked
+PUBLISHED_DIR = REPO / "bench_results"  # tracked; only with --publish
+sys.path.insert(0, str(HERE))
+from compare_state import diff_states  # noqa: E402
+
+TRAIN = str(HERE / "demo_train.py")
+PORT = 29400
+POLL_S = 0.01
+BASE_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+STEP_RE = re.compile(r"^\[rank 0\] step\s+(\d+) loss")
+RESUMED_RE = re.compile(r"^\[rank (\d+)\] resumed from .* at step (\d+)")
+SPARE_RE = re.compile(r"node\(s\) waiting to join")
+# the last error a surviving agent printed: "SomethingError: message"
+ERROR_RE = re.compile(r"^((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Timeout)):\s*(.*)")
+
+CASES = {
+    "a": "rank 1 killed (SIGKILL, step F backward)",
+    "b": "node 1 lost, hot spare waiting",
+    "c": "node 1 lost, replacement +{delay:g}s",
+}
+LAUNCHERS = ("jitrun", "torchrun")
+
+
+@dataclass
+class MNRun:
+    case: str  # a | b | c | ref
+    launcher: str  # jitrun | torchrun
+    fault_step: int | None = None  # F
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)  # agents on the killed node
+    timed_out: bool = False
+    cap_s: float | None = None
+    t_start: float | None = None
+    t_end: float | None = None
+    fault_t: float | None = None
+    fault_source: str | None = None
+    fault_t_estimate: float | None = None  # the torchrun estimator (line of step F-1), also for jitrun
+    spare_started_t: float | None = None
+    spare_waiting_t: float | None = None  # jitrun: the job's agents report the waiting node
+    replacement_started_t: float | None = None
+    progress_step: int | None = None  # P: the minibatch in progress at the failure
+    restore_step: int | None = None
+    redone_minibatches: int | None = None
+    resume_t: float | None = None  # every rank printed "resumed from"
+    first_done_t: float | None = None  # the first step line after the restart
+    caught_up_t: float | None = None  # the line of step P after the restart: back where it failed
+    end_t: float | None = None  # the last step line
+    last_step: int | None = None
+    periodic_saves: int = 0
+    identical: bool | None = None
+    diffs: list[str] = field(default_factory=list)
+    error: str | None = None  # why it did not recover ("failed: <error>" in the table)
+    recovery: list[dict] = field(default_factory=list)  # jitrun's events.jsonl recovery records
+    workdir: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.case if self.case == "ref" else f"{self.case}-{self.launcher}"
+
+    @property
+    def wall_s(self) -> float | None:
+        return _sub(self.t_end, self.t_start)
+
+    def fail_to_resumed_s(self) -> float | None:
+        return _sub(self.first_done_t, self.fault_t)
+
+    def fail_to_caught_up_s(self) -> float | None:
+        return _sub(self.caught_up_t, self.fault_t)
+
+    def recovered(self) -> bool:
+        return self.error is None and self.first_done_t is not None
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+# -- analysis (pure: tested on synthetic output) ---------------------------------------
+
+
+def failure_reason(run: MNRun, lines: list[tuple[float, str, str]]) -> str | None:
+    """None if ``run`` ended well (no timeout, every agent not on the lost node
+    exited 0), else a short reason: the cap or the exit codes, and the first
+    uncaught exception a surviving agent printed (a traceback's last line, at
+    the start of a line: the workers' own errors are prefixed "[rankN]:")."""
+    alive = {k: v for k, v in run.exit_codes.items() if k not in run.lost}
+    if not run.timed_out and alive and all(v == 0 for v in alive.values()):
+        return None
+    first = None
+    for _, src, line in sorted(lines, key=lambda x: x[0]):
+        if src not in run.lost and (m := ERROR_RE.match(line)):
+            first = f"{src}: {m.group(1).rsplit('.', 1)[-1]}: {m.group(2).strip()}"
+            break
+    why = (f"no exit within {run.cap_s:g}s, killed" if run.timed_out
+           else "exit " + " ".join(f"{k}={v}" for k, v in alive.items() if v != 0))
+    if first:
+        why += f"; first error: {first[:120]}"
+    return why
+
+
+def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict]) -> MNRun:
+    """Fill ``run``'s timeline from the timestamped lines of every node's
+    log, (t, agent name, line) in arrival order, and jitrun's merged events.
+    ``run.fault_t`` is already set for b/c (the kill); ``run.exit_codes``,
+    ``timed_out`` and ``lost`` too."""
+    lines = sorted(lines, key=lambda x: x[0])
+    steps = [(t, int(m.group(1))) for t, _, line in lines if (m := STEP_RE.match(line))]
+    run.periodic_saves = sum(1 for _, _, line in lines if line.startswith("[rank 0] periodic checkpoint"))
+    if steps:
+        run.end_t, run.last_step = steps[-1]
+    spare = [t for t, src, line in lines if SPARE_RE.search(line) and src != "spare"]
+    run.spare_waiting_t = spare[0] if spare else None
+    run.recovery = [e for e in events if e.get("event") == "recovery"]
+    F = run.fault_step
+    if F is not None:
+        pre = [t for t, s in steps if s == F - 1]
+        run.fault_t_estimate = pre[0] if pre else None
+    if run.case == "a":
+        injected = [e["t"] for e in events if e.get("event") == "fault_injected"]
+        if injected:
+            run.fault_t, run.fault_source = min(injected), "fault_injected event"
+        else:
+            run.fault_t, run.fault_source = run.fault_t_estimate, f"arrival of step {F - 1}'s line"
+        run.progress_step = F
+    elif run.fault_t is not None:
+        before = [s for t, s in steps if t <= run.fault_t]
+        run.progress_step = max(before) + 1 if before else 0
+    run.error = failure_reason(run, lines)
+    if run.fault_t is None:
+        return run
+    after = [(t, s) for t, s in steps if t > run.fault_t]
+    resumed = [(t, int(m.group(1)), int(m.group(2))) for t, _, line in lines
+               if (m := RESUMED_RE.match(line)) and t > run.fault_t]
+    if resumed:
+        run.restore_step = resumed[0][2]
+        ranks: dict[int, float] = {}
+        for t, rank, _ in resumed:
+            ranks.setdefault(rank, t)
+        run.resume_t = max(ranks.values())
+        done = [(t, s) for t, s in after if t > resumed[0][0]]
+    else:
+        # restarted from scratch (nothing loaded): the step index goes back
+        done = [(t, s) for t, s in after if s < (run.progress_step or 0)]
+        run.restore_step = done[0][1] if done else None
+    if done and run.error is None:
+        run.first_done_t = done[0][0]
+        caught = [t for t, s in done if s == run.progress_step]
+        run.caught_up_t = caught[0] if caught else None
+        run.redone_minibatches = max((run.progress_step or 0) + 1 - (run.restore_step or 0), 0)
+    elif run.error is None:
+        run.error = "no training step after the failure"
+    return run
+
+
+def compare(run: MNRun, ref_out: Path, out: Path) -> None:
+    if not out.exists() or not ref_out.exists():
+        run.identical, run.diffs = False, ["final state missing"]
+        return
+    _, diffs = diff_states(str(ref_out), str(out))
+    run.identical, run.diffs = not diffs, diffs[:10]
+
+
+def ratios(runs: list[MNRun]) -> dict[str, dict]:
+    """Per case: jitrun and torchrun fail->resumed and their ratio (None
+    unless both recovered)."""
+    out = {}
+    for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
+        by = {r.launcher: r for r in runs if r.case == case}
+        j, t = by.get("jitrun"), by.get("torchrun")
+        js = j.fail_to_resumed_s() if j and j.recovered() else None
+        ts = t.fail_to_resumed_s() if t and t.recovered() else None
+        out[case] = {"jitrun_s": js, "torchrun_s": ts,
+                     "ratio": js / ts if js is not None and ts else None,
+                     "why_none": None if js is not None and ts else
+                     ("jitrun did not recover" if js is None else "torchrun did not recover")}
+    return out
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _codes(r: MNRun) -> str:
+    return " ".join(f"{k}={'-' if v is None else v}{' (lost)' if k in r.lost else ''}"
+                    for k, v in r.exit_codes.items())
+
+
+def case_label(case: str, delay: float) -> str:
+    return f"{case}: {CASES[case].format(delay=delay)}"
+
+
+def table(runs: list[MNRun], delay: float = 3.0) -> str:
+    """The printed table, markdown."""
+    head = ("| case | launcher | exit codes | failed in step | restore step | redone mb | fail->resumed s "
+            "| wall s | identical to ref |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        ident = "-" if r.identical is None else ("yes" if r.identical else "NO")
+        fault = _f(r.progress_step, "{}")
+        if r.recovered():
+            mid = f"| {_f(r.restore_step, '{}')} | {_f(r.redone_minibatches, '{}')} | {_f(r.fail_to_resumed_s())} "
+        else:
+            mid = f"| - | - | failed: {r.error} "
+        rows.append(f"| {case_label(r.case, delay)} | {r.launcher} | {_codes(r)} | {fault} {mid}"
+                    f"| {_f(r.wall_s, '{:.1f}')} | {ident} |")
+    return "\n".join(rows)
+
+
+def ratio_table(runs: list[MNRun], delay: float = 3.0) -> str:
+    head = "| case | jitrun fail->resumed s | torchrun fail->resumed s | jitrun/torchrun |"
+    rows = [head, "|---|---|---|---|"]
+    for case, v in ratios(runs).items():
+        rat = _f(v["ratio"], "{:.3f}") if v["ratio"] is not None else f"- ({v['why_none']})"
+        rows.append(f"| {case_label(case, delay)} | {_f(v['jitrun_s'])} | {_f(v['torchrun_s'])} | {rat} |")
+    return "\n".join(rows)
+
+
+def details(runs: list[MNRun]) -> str:
+    """jitrun's own recovery records, and the odd things worth a look."""
+    out = []
+    for r in runs:
+        if r.launcher == "jitrun":
+            for e in r.recovery:
+                out.append(f"  {r.name:<12} events.jsonl recovery: failure->resumed {e['failure_to_resumed_s']:.2f}s "
+                           f"(detection {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
+                           f"restart->resumed {e['restart_to_resumed_s']:.2f}s), restore step "
+                           f"{e['restore_step']}, redone {e['redone_minibatches']}")
+            if r.case == "a" and r.fault_t is not None and r.fault_t_estimate is not None:
+                out.append(f"  {r.name:<12} torchrun's fault-time estimate (line of step F-1) is "
+                           f"{(r.fault_t - r.fault_t_estimate) * 1e3:.0f} ms early here")
+        if r.case == "b" and r.spare_started_t is not None and r.fault_t is not None:
+            w = (f"seen waiting by the job's agents {r.fault_t - r.spare_waiting_t:.1f}s before the kill"
+                 if r.spare_waiting_t is not None and r.spare_waiting_t <= r.fault_t else
+                 "its arrival was not reported by the job's agents before the kill" if r.launcher == "jitrun"
+                 else "torchrun does not report a waiting node")
+            out.append(f"  {r.name:<12} spare started {r.fault_t - r.spare_started_t:.1f}s before the kill; {w}")
+        if r.launcher == "torchrun" and r.periodic_saves:
+            out.append(f"  {r.name:<12} {r.periodic_saves} periodic checkpoints written (shared host directory)")
+        if r.diffs:
+            out.append(f"  {r.name:<12} state differs from ref: {', '.join(r.diffs[:3])}")
+    return "\n".join(out)
+
+
+def write_json(path: Path, args: dict, ref: MNRun | None, runs: list[MNRun], total_s: float | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def rec(r: MNRun) -> dict:
+        return {**asdict(r), "name": r.name, "wall_s": r.wall_s, "fail_to_resumed_s": r.fail_to_resumed_s(),
+                "recovered": r.recovered()}
+
+    path.write_text(json.dumps({"args": args, "total_s": total_s, "reference": rec(ref) if ref else None,
+                                "runs": [rec(r) for r in runs], "ratios": ratios(runs)}, indent=1))
+
+
+# -- running (namespaces) -----------------------------------------------------------
+
+
+class Tail:
+    """New complete lines of a growing log file, timestamped when read."""
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name, self.path, self.pos, self.buf = name, path, 0, b""
+
+    def read(self, final: bool = False) -> list[tuple[float, str, str]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        now = time.time()
+        self.pos += len(data)
+        *complete, self.buf = (self.buf + data).split(b"\n")
+        if final and self.buf:
+            complete.append(self.buf)
+            self.buf = b""
+        return [(now, self.name, raw.decode(errors="replace")) for raw in complete]
+
+
+def _harness():
+    sys.path.insert(0, str(REPO / "tests"))
+    import netns
+
+    return netns
+
+
+def command(launcher: str, node, nodes0_addr: str, args, *, out: Path, jit: str, fault: bool,
+            ckpt_dir: Path | None, rdzv_id: str) -> list[str]:
+    train = [TRAIN, "--steps", str(args.steps), "--step-sleep", str(args.step_sleep), "--log-every", "1",
+             "--out", str(out)]
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{nodes0_addr}:{PORT}", "--rdzv-id", rdzv_id]
+    py = sys.executable
+    if launcher == "jitrun":
+        return [py, "-m", "jitrun.cli", *rdzv, "--rdzv-conf", "keep_alive_interval=2", "--max-restarts", "3",
+                "--jit-timeout", str(args.jit_timeout), "--jit-dir", jit, "--local-addr", node.addr, *train]
+    cmd = [py, "-m", "torch.distributed.run", *rdzv,
+           "--rdzv-conf", f"is_host={int(node.index == 0)},keep_alive_interval=2", "--local-addr", node.addr]
+    if ckpt_dir is not None:
+        cmd += ["--max-restarts", "3"]
+    if fault:
+        cmd += ["-m", "jitckpt._bootstrap"]
+    cmd += train
+    if ckpt_dir is not None:
+        cmd += ["--ckpt-every", str(args.ckpt_every), "--ckpt-dir", str(ckpt_dir)]
+    return cmd
+
+
+def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) -> MNRun:
+    """One job on a fresh 2-node cluster; kills/starts nodes as ``case`` says."""
+    netns = _harness()
+    run = MNRun(case=case, launcher=launcher, fault_step=None if case == "ref" else args.fault_step,
+                cap_s=args.cap)
+    d = work / run.name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    run.workdir = str(d)
+    out = d / "final.pt"
+    F = args.fault_step
+    fault = case == "a"
+    env = {**BASE_ENV, "JITCKPT_FAULT": f"rank=1,step={F},phase=backward,kind=sigkill" if fault else ""}
+    if launcher == "torchrun":
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
+    lines: list[tuple[float, str, str]] = []
+    with netns.Cluster(2, tag="b") as c:
+        jit = str(c.dir / "jit")
+        procs, tails = {}, {}
+
+        def start(node, agent: str) -> float:
+            cmd = command(launcher, node, c.nodes[0].addr, args, out=out, jit=jit, fault=fault,
+                          ckpt_dir=None if case == "ref" else d / "ckpt", rdzv_id=f"bench{case}")
+            jitrun = launcher == "jitrun"
+            keep = ((f"{jit}/events.jsonl", str(d / f"events-{agent}.jsonl")),) if jitrun else ()
+            p = node.run(cmd, name=agent, env=env, private_dirs=(jit,) if jitrun else (), keep=keep)
+            procs[agent], tails[agent] = p, Tail(agent, p.log)
+            return time.time()
+
+        run.t_start = start(c.nodes[0], "agent0")
+        start(c.nodes[1], "agent1")
+        deadline = time.monotonic() + args.cap
+        seen = -1  # the highest step rank 0 printed before the failure
+        while True:
+            for tl in tails.values():
+                for item in tl.read():
+                    lines.append(item)
+                    if args.verbose:
+                        print(f"  {item[0]:.3f} {item[1]:<11} {item[2]}", flush=True)
+                    if run.fault_t is None and (m := STEP_RE.match(item[2])):
+                        seen = max(seen, int(m.group(1)))
+            if case == "b" and run.spare_started_t is None and seen >= 0:
+                run.spare_started_t = start(c.add_node(), "spare")
+            if case in ("b", "c") and run.fault_t is None and seen >= F:
+                run.fault_t, run.fault_source = time.time(), "node 1 killed"
+                c.nodes[1].kill()
+                run.lost = ["agent1"]
+            if (case == "c" and run.fault_t is not None and run.replacement_started_t is None
+                    and time.time() - run.fault_t >= args.replace_delay):
+                run.replacement_started_t = start(c.add_node(), "replacement")
+            if all(p.popen.poll() is not None for p in procs.values()):
+                break
+            if time.monotonic() > deadline:
+                run.timed_out = True
+                for node in c.nodes:
+                    node.kill()  # every process of this run, by PID (ip netns pids)
+                break
+            time.sleep(POLL_S)
+        run.t_end = time.time()  # the last agent seen gone (or the kill at the cap)
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except Exception:
+                pass
+        for tl in tails.values():
+            lines.extend(tl.read(final=True))
+        run.exit_codes = {k: p.popen.returncode for k, p in procs.items()}
+        logs = {k: p.output() for k, p in procs.items()}
+        for k, text in logs.items():
+            (d / f"{k}.log").write_text(text)
+    (d / "lines.log").write_text("".join(f"{t:.6f} {src} {line}\n" for t, src, line in lines))
+    events = []
+    for f in sorted(d.glob("events-*.jsonl")):
+        events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    events.sort(key=lambda e: e["t"])
+    analyse(run, lines, events)
+    if case != "ref" and ref_out is not None and run.error is None:
+        compare(run, ref_out, out)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="a,b,c", help="which cases (a: killed rank, b: lost node + hot spare, "
+                    "c: lost node + late replacement)")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--fault-step", type=int, default=47, help="F: a kills rank 1 in step F's backward pass; "
+                    "b and c kill node 1 when rank 0 has printed step F")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="torchrun's periodic checkpoint interval, steps")
+    ap.add_argument("--jit-timeout", type=float, default=5.0)
+    ap.add_argument("--replace-delay", type=float, default=3.0, help="c: seconds from the kill to the replacement")
+    ap.add_argument("--cap", type=float, default=150.0, help="seconds before a run is killed and counted failed")
+    ap.add_argument("--json", default=None, help="raw measurements (default build/bench/multinode.json; '' = none)")
+    ap.add_argument("--publish", action="store_true", help="write the JSON to bench_results/ instead")
+    ap.add_argument("--keep", default=None, help="keep each run's logs and events in this directory")
+    ap.add_argument("--quick", action="store_true", help="cases a and c only, 60 steps, F=27, cap 100 s")
+    ap.add_argument("-v", "--verbose", action="store_true", help="echo every line as it is read")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.cases, args.steps, args.fault_step, args.cap = "a,c", 60, 27, 100.0
+    cases = [x.strip() for x in args.cases.split(",") if x.strip()]
+    if bad := [x for x in cases if x not in CASES]:
+        ap.error(f"unknown case(s) {bad}; choose from a, b, c")
+    if not 1 <= args.fault_step < args.steps - 1:
+        ap.error("--fault-step must leave steps after it")
+    if args.json is None:
+        args.json = str((PUBLISHED_DIR if args.publish else OUT_DIR) / "multinode.json")
+    why = _harness().Cluster.unavailable()
+    if why:
+        print(f"bench_multinode: cannot run: {why}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="jitckpt-bench-mn-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"demo LM, 2 nodes x 1 rank (network namespaces, gloo, CPU), {args.steps} steps, --step-sleep "
+          f"{args.step_sleep}; F = {args.fault_step}; torchrun: periodic checkpoint every {args.ckpt_every} "
+          f"steps to a directory shared by all nodes; cap {args.cap:g}s per run", flush=True)
+    runs: list[MNRun] = []
+    try:
+        ref = run_one("ref", "torchrun", args, work, None)
+        print(f"  ran {'ref':<12} wall {_f(ref.wall_s, '{:.1f}')}s"
+              f"{'  ERROR ' + ref.error if ref.error else ''}", flush=True)
+        if ref.error or not (work / "ref" / "final.pt").exists():
+            print(f"reference run failed: {ref.error}; logs in {work / 'ref'}", file=sys.stderr)
+            return 1
+        for i, case in enumerate(cases):
+            for launcher in (LAUNCHERS if i % 2 else LAUNCHERS[::-1]):  # torchrun first, then alternating
+                r = run_one(case, launcher, args, work, work / "ref" / "final.pt")
+                runs.append(r)
+                print(f"  ran {r.name:<12} wall {_f(r.wall_s, '{:.1f}')}s"
+                      f"{'  failed: ' + r.error if r.error else ''}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    order = {c: i for i, c in enumerate(cases)}
+    runs.sort(key=lambda r: (order[r.case], LAUNCHERS.index(r.launcher)))
+    total = time.time() - t0
+    print(f"\nreference (plain torchrun, no failure): wall {_f(ref.wall_s, '{:.1f}')}s, "
+          f"{ref.last_step} steps\n")
+    print(table(runs, args.replace_delay))
+    print()
+    print(ratio_table(runs, args.replace_delay))
+    extra = details(runs)
+    if extra:
+        print("\n" + extra)
+    print(f"\nfault: a/jitrun the fault_injected event, a/torchrun the arrival of step {args.fault_step - 1}'s "
+          f"line; b, c: the moment node 1 was killed. fail->resumed: fault -> first step line after the restart.")
+    print(f"torchrun's periodic checkpoints go to a host directory every node sees (shared storage, as in "
+          f"practice); jitrun keeps its checkpoints on each node's own tmpfs. torchrun 2.13 is known not to "
+          f"recover b/c (its c10d rendezvous does not republish MASTER_ADDR for a later round); each run is "
+          f"capped at {args.cap:g}s.")
+    print("noise: shared 2-core machine; absolute seconds vary by tens of percent between runs.")
+    print(f"total {total:.0f}s")
+    if args.json:
+        write_json(Path(args.json), vars(args), ref, runs, total)
+        print(f"data: {args.json}")
+    bad = [r.name for r in runs if r.launcher == "jitrun" and not (r.recovered() and r.identical)]
+    if bad:
+        print(f"jitrun did not recover bit-identically: {', '.join(bad)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
