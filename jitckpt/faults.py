@@ -10,8 +10,10 @@ keys:
   step     minibatch index (0-based global step) at which it fires; not used
            for phase=save (fires on that rank's first JIT save). Default 0.
   phase    forward | backward | allreduce | optimizer | save | restore
-  kind     sigkill | sigstop | exception | hang | exit | stale
-           (hang = blocks forever while holding the GIL; exit = os._exit(13);
+  kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
+           hang | exit | stale
+           (signals are sent by the rank to itself; abort = os.abort();
+           hang = blocks forever while holding the GIL; exit = os._exit(13);
            stale, only with phase=restore: get_checkpoint_path() returns the
            newest replica *older* than the chosen step, which the job-wide
            consistency check must refuse)
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore")
-KINDS = ("sigkill", "sigstop", "exception", "hang", "exit", "stale")
+KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "exit", "stale")
 EXIT_INJECTED = 13
 
 
@@ -96,6 +98,10 @@ def execute(kind: str, where: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind in ("sigterm", "sigint", "sigsegv"):
+        os.kill(os.getpid(), {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigsegv": signal.SIGSEGV}[kind])
+    elif kind == "abort":
+        os.abort()
     elif kind == "exception":
         raise InjectedFault(f"injected fault at {where}")
     elif kind == "hang":

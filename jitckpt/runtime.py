@@ -18,6 +18,11 @@ Threads and locks
   ``_on_hang`` holding the GIL it obtained through the shim's signal-based GIL
   release.
 
+``_exit_lock``: the watcher holds it while it acts on a SIGTERM; an atexit
+handler takes it for good, so no store call is in flight on the watcher when
+the interpreter finalizes (see ``_quiesce_watcher``). Lock order: _exit_lock,
+then _lock.
+
 ``_lock`` (threading.Lock) guards ``phase``, ``deferred`` and ``saving``; it
 is held only for those few reads/writes, never across save_fn or I/O. Whoever
 sets ``saving`` owns the save and ends the process with ``os._exit``; any other
@@ -30,6 +35,7 @@ wakeup byte, which is async-signal-safe.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import statistics
@@ -86,6 +92,7 @@ class Runtime:
         self.saving = False
         self._lock = threading.Lock()
         self._halt = threading.Event()  # never set: parks threads until os._exit
+        self._exit_lock = threading.Lock()  # watcher acts only under it; taken for good at exit
         self._step_t: float | None = None
         self._step_times: list[float] = []
         self._resumed_reported = False
@@ -345,6 +352,17 @@ class Runtime:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(r,), name="jitckpt-watcher", daemon=True).start()
+        atexit.register(self._quiesce_watcher)
+
+    def _quiesce_watcher(self) -> None:
+        """At interpreter exit, before finalization: wait for the watcher to
+        leave any store call and keep it from starting another. A daemon
+        thread that is inside a pybind11 call (TCPStore) when finalization
+        starts is ended by pthread_exit in pybind11's noexcept GIL
+        re-acquisition: std::terminate, "terminate called without an active
+        exception", SIGABRT. The lock is never released: a SIGTERM arriving
+        now finds an exiting process, which is what the sender wanted."""
+        self._exit_lock.acquire()
 
     @staticmethod
     def _on_signal(signum, frame) -> None:
@@ -360,7 +378,8 @@ class Runtime:
             if not data:
                 return
             if signal.SIGTERM in data:
-                self.request_save("sigterm")
+                with self._exit_lock:  # held for good once the interpreter exits
+                    self.request_save("sigterm")
 
     def _on_hang(self, info: dict) -> None:
         """libintercept watchdog: a collective hung past the timeout."""

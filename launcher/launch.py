@@ -80,6 +80,12 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         stopped = agent.close()
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        else:
+            # torch's heartbeat timer is a daemon thread making store calls: at
+            # interpreter exit it would abort the process (see ReplicaServer.stop)
+            stop = getattr(spec.rdzv_handler, "_stop_heartbeats", None)
+            if stop is not None:
+                stop()
         events.emit("job_end", exitcode=code)
         print(summary(events.events), flush=True)
     if not stopped:

@@ -1,10 +1,11 @@
 """Slurm glue for the ``slurm`` scheduler hook: drain lost nodes, find a spare
 node of the job's allocation, start a replacement jitrun agent there.
 
-Only works inside a Slurm allocation (``salloc``, ``sbatch`` or ``srun``): the
-allocation is taken from SLURM_JOB_ID / SLURM_JOB_NODELIST, and all requests
-go through the ordinary client tools (``scontrol``, ``squeue``, ``srun``), so
-whatever SLURM_CONF / auth setup they use applies here too.
+Only works inside a Slurm allocation (``salloc``, ``sbatch`` or ``srun``, also
+``srun --jobid=ID`` from outside it): the allocation is SLURM_JOB_ID, its nodes
+are asked from slurmctld, and all requests go through the ordinary client
+tools (``scontrol``, ``squeue``, ``srun``), so whatever SLURM_CONF / auth setup
+they use applies here too.
 
 Node names: a host given to these functions is a Slurm node name; a fully
 qualified hostname is reduced to its first label (``n3.cluster`` -> ``n3``),
@@ -118,12 +119,15 @@ def spare_nodes(in_use: Iterable[str] = (), lost: Iterable[str] = ()) -> list[st
     Excluded: ``in_use`` (surviving agents' hosts), ``lost``, nodes running a step
     of this job, and nodes that are drained, down or not responding.
     """
-    job, nodelist = allocation()
-    state = _run(["squeue", "--noheader", "--jobs", job, "--format", "%T"]).strip()
+    job, _ = allocation()
+    # The allocation's nodes from slurmctld, not from SLURM_JOB_NODELIST: in a
+    # step started with `srun --jobid=ID` from outside the allocation, that is
+    # the step's node list only.
+    state, _, nodelist = _run(["squeue", "--noheader", "--jobs", job, "--format", "%T %N"]).strip().partition(" ")
     if state != "RUNNING":
         raise SlurmError(f"job {job} (SLURM_JOB_ID) is {state or 'unknown to slurmctld'}, not RUNNING; "
                          "a replacement can only join a running allocation")
-    nodes = hostnames(nodelist)
+    nodes = hostnames(nodelist.strip())
     taken = {node_name(h) for h in (*in_use, *lost)} | _step_nodes(job)
     free = [n for n in nodes if n not in taken]
     states = node_states(free)

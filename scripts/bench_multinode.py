@@ -258,18 +258,20 @@ def compare(run: MNRun, ref_out: Path, out: Path) -> None:
 
 
 def ratios(runs: list[MNRun]) -> dict[str, dict]:
-    """Per case: jitrun and torchrun fail->resumed and their ratio (None
-    unless both recovered)."""
+    """Per case: jitrun's and torchrun's fail->resumed and fail->caught-up
+    seconds and the ratios jitrun/torchrun (None unless both recovered)."""
     out = {}
     for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
         by = {r.launcher: r for r in runs if r.case == case}
         j, t = by.get("jitrun"), by.get("torchrun")
-        js = j.fail_to_resumed_s() if j and j.recovered() else None
-        ts = t.fail_to_resumed_s() if t and t.recovered() else None
-        out[case] = {"jitrun_s": js, "torchrun_s": ts,
-                     "ratio": js / ts if js is not None and ts else None,
-                     "why_none": None if js is not None and ts else
-                     ("jitrun did not recover" if js is None else "torchrun did not recover")}
+        both = bool(j and t and j.recovered() and t.recovered())
+        rec: dict = {"both_recovered": both,
+                     "not_recovered": [x.launcher for x in (j, t) if x is not None and not x.recovered()]}
+        for key, fn in (("fail_to_resumed", MNRun.fail_to_resumed_s), ("fail_to_caught_up", MNRun.fail_to_caught_up_s)):
+            js = fn(j) if j and j.recovered() else None
+            ts = fn(t) if t and t.recovered() else None
+            rec[key] = {"jitrun_s": js, "torchrun_s": ts, "ratio": js / ts if both and js is not None and ts else None}
+        out[case] = rec
     return out
 
 
@@ -289,26 +291,32 @@ def case_label(case: str, delay: float) -> str:
 def table(runs: list[MNRun], delay: float = 3.0) -> str:
     """The printed table, markdown."""
     head = ("| case | launcher | exit codes | failed in step | restore step | redone mb | fail->resumed s "
-            "| wall s | identical to ref |")
+            "| fail->caught up s | wall s | identical to ref |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in runs:
         ident = "-" if r.identical is None else ("yes" if r.identical else "NO")
-        fault = _f(r.progress_step, "{}")
         if r.recovered():
-            mid = f"| {_f(r.restore_step, '{}')} | {_f(r.redone_minibatches, '{}')} | {_f(r.fail_to_resumed_s())} "
+            mid = (f"| {_f(r.restore_step, '{}')} | {_f(r.redone_minibatches, '{}')} | {_f(r.fail_to_resumed_s())} "
+                   f"| {_f(r.fail_to_caught_up_s())} ")
         else:
-            mid = f"| - | - | failed: {r.error} "
-        rows.append(f"| {case_label(r.case, delay)} | {r.launcher} | {_codes(r)} | {fault} {mid}"
+            mid = f"| - | - | failed: {r.error} | - "
+        rows.append(f"| {case_label(r.case, delay)} | {r.launcher} | {_codes(r)} | {_f(r.progress_step, '{}')} {mid}"
                     f"| {_f(r.wall_s, '{:.1f}')} | {ident} |")
     return "\n".join(rows)
 
 
 def ratio_table(runs: list[MNRun], delay: float = 3.0) -> str:
-    head = "| case | jitrun fail->resumed s | torchrun fail->resumed s | jitrun/torchrun |"
-    rows = [head, "|---|---|---|---|"]
+    head = ("| case | fail->resumed s jitrun | torchrun | jitrun/torchrun "
+            "| fail->caught up s jitrun | torchrun | jitrun/torchrun |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, v in ratios(runs).items():
-        rat = _f(v["ratio"], "{:.3f}") if v["ratio"] is not None else f"- ({v['why_none']})"
-        rows.append(f"| {case_label(case, delay)} | {_f(v['jitrun_s'])} | {_f(v['torchrun_s'])} | {rat} |")
+        cells = []
+        for key in ("fail_to_resumed", "fail_to_caught_up"):
+            x = v[key]
+            rat = (_f(x["ratio"], "{:.3f}") if x["ratio"] is not None
+                   else "- (" + ", ".join(v["not_recovered"]) + " did not recover)")
+            cells.append(f"{_f(x['jitrun_s'])} | {_f(x['torchrun_s'])} | {rat}")
+        rows.append(f"| {case_label(case, delay)} | {' | '.join(cells)} |")
     return "\n".join(rows)
 
 
@@ -343,7 +351,7 @@ def write_json(path: Path, args: dict, ref: MNRun | None, runs: list[MNRun], tot
 
     def rec(r: MNRun) -> dict:
         return {**asdict(r), "name": r.name, "wall_s": r.wall_s, "fail_to_resumed_s": r.fail_to_resumed_s(),
-                "recovered": r.recovered()}
+                "fail_to_caught_up_s": r.fail_to_caught_up_s(), "recovered": r.recovered()}
 
     path.write_text(json.dumps({"args": args, "total_s": total_s, "reference": rec(ref) if ref else None,
                                 "runs": [rec(r) for r in runs], "ratios": ratios(runs)}, indent=1))
@@ -474,14 +482,68 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) ->
         for k, text in logs.items():
             (d / f"{k}.log").write_text(text)
     (d / "lines.log").write_text("".join(f"{t:.6f} {src} {line}\n" for t, src, line in lines))
-    events = []
-    for f in sorted(d.glob("events-*.jsonl")):
-        events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-    events.sort(key=lambda e: e["t"])
-    analyse(run, lines, events)
+    (d / "meta.json").write_text(json.dumps({k: getattr(run, k) for k in RAW}))
+    analyse(run, lines, _events(d))
     if case != "ref" and ref_out is not None and run.error is None:
         compare(run, ref_out, out)
     return run
+
+
+# what a run records before analysis: enough for --reparse
+RAW = ("case", "launcher", "fault_step", "exit_codes", "lost", "timed_out", "cap_s", "t_start", "t_end", "fault_t",
+       "fault_source", "spare_started_t", "replacement_started_t", "workdir")
+
+
+def _events(d: Path) -> list[dict]:
+    events = []
+    for f in sorted(d.glob("events-*.jsonl")):
+        events += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    return sorted(events, key=lambda e: e["t"])
+
+
+def load_run(d: Path) -> MNRun:
+    """A kept run (--keep) analysed again."""
+    run = MNRun(**json.loads((d / "meta.json").read_text()))
+    lines = []
+    for raw in (d / "lines.log").read_text().splitlines():
+        t, src, line = (raw.split(" ", 2) + ["", ""])[:3]
+        lines.append((float(t), src, line))
+    analyse(run, lines, _events(d))
+    if run.case != "ref" and run.error is None:
+        compare(run, d.parent / "ref" / "final.pt", d / "final.pt")
+    return run
+
+
+def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
+    """Print the tables and notes, write the JSON; 1 if jitrun did not
+    recover every case bit-identically."""
+    print(f"\nreference (plain torchrun, no failure): wall {_f(ref.wall_s, '{:.1f}')}s, "
+          f"last step {ref.last_step}{'  ERROR ' + ref.error if ref.error else ''}\n")
+    print(table(runs, args.replace_delay))
+    print()
+    print(ratio_table(runs, args.replace_delay))
+    extra = details(runs)
+    if extra:
+        print("\n" + extra)
+    print(f"\nfault: a/jitrun the fault_injected event, a/torchrun the arrival of step {args.fault_step - 1}'s "
+          f"line; b, c: the moment node 1 was killed. fail->resumed: fault -> the first step line after the "
+          f"restart; fail->caught up: fault -> the line of the failed step after the restart (includes the "
+          f"redone minibatches).")
+    print(f"torchrun's periodic checkpoints (every {args.ckpt_every} steps) go to a host directory every node "
+          f"sees (shared storage, as in practice); jitrun keeps its checkpoints on each node's own tmpfs. torchrun "
+          f"2.13 is known not to recover b/c (its c10d rendezvous does not republish MASTER_ADDR for a later "
+          f"round); each run is capped at {args.cap:g}s.")
+    print("noise: shared 2-core machine; absolute seconds vary by tens of percent between runs.")
+    if total is not None:
+        print(f"total {total:.0f}s")
+    if args.json:
+        write_json(Path(args.json), vars(args), ref, runs, total)
+        print(f"data: {args.json}")
+    bad = [r.name for r in runs if r.launcher == "jitrun" and not (r.recovered() and r.identical)]
+    if bad:
+        print(f"jitrun did not recover bit-identically: {', '.join(bad)}")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish", action="store_true", help="write the JSON to bench_results/ instead")
     ap.add_argument("--keep", default=None, help="keep each run's logs and events in this directory")
     ap.add_argument("--quick", action="store_true", help="cases a and c only, 60 steps, F=27, cap 100 s")
+    ap.add_argument("--reparse", default=None, metavar="DIR", help="analyse the runs kept by --keep DIR again")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo every line as it is read")
     args = ap.parse_args(argv)
     if args.quick:
@@ -511,6 +574,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--fault-step must leave steps after it")
     if args.json is None:
         args.json = str((PUBLISHED_DIR if args.publish else OUT_DIR) / "multinode.json")
+    if args.reparse:
+        work = Path(args.reparse).resolve()
+        found = {p.name: load_run(p) for p in sorted(work.iterdir()) if (p / "meta.json").exists()}
+        if "ref" not in found:
+            ap.error(f"--reparse: no kept reference run under {work}")
+        ref = found.pop("ref")
+        runs = sorted(found.values(), key=lambda r: (r.case, LAUNCHERS.index(r.launcher)))
+        return report(args, ref, runs, None)
     why = _harness().Cluster.unavailable()
     if why:
         print(f"bench_multinode: cannot run: {why}", file=sys.stderr)
@@ -540,32 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     order = {c: i for i, c in enumerate(cases)}
     runs.sort(key=lambda r: (order[r.case], LAUNCHERS.index(r.launcher)))
-    total = time.time() - t0
-    print(f"\nreference (plain torchrun, no failure): wall {_f(ref.wall_s, '{:.1f}')}s, "
-          f"{ref.last_step} steps\n")
-    print(table(runs, args.replace_delay))
-    print()
-    print(ratio_table(runs, args.replace_delay))
-    extra = details(runs)
-    if extra:
-        print("\n" + extra)
-    print(f"\nfault: a/jitrun the fault_injected event, a/torchrun the arrival of step {args.fault_step - 1}'s "
-          f"line; b, c: the moment node 1 was killed. fail->resumed: fault -> first step line after the restart.")
-    print(f"torchrun's periodic checkpoints go to a host directory every node sees (shared storage, as in "
-          f"practice); jitrun keeps its checkpoints on each node's own tmpfs. torchrun 2.13 is known not to "
-          f"recover b/c (its c10d rendezvous does not republish MASTER_ADDR for a later round); each run is "
-          f"capped at {args.cap:g}s.")
-    print("noise: shared 2-core machine; absolute seconds vary by tens of percent between runs.")
-    print(f"total {total:.0f}s")
-    if args.json:
-        write_json(Path(args.json), vars(args), ref, runs, total)
-        print(f"data: {args.json}")
-    bad = [r.name for r in runs if r.launcher == "jitrun" and not (r.recovered() and r.identical)]
-    if bad:
-        print(f"jitrun did not recover bit-identically: {', '.join(bad)}")
-        return 1
-    return 0
-
+    return report(args, ref, runs, time.time() - t0)
 
 if __name__ == "__main__":
     sys.exit(main())
