@@ -169,6 +169,10 @@ class JitAgent(LocalElasticAgent):
             return
         if ev == "finished":
             self._finished.add(rank)
+            if self._pending is not None:
+                # restored after the last minibatch (e.g. a save at a barrier
+                # after the loop): the job ends without another minibatch
+                self._on_resumed(m)
         if ev == "loaded":
             self._loaded[rank] = m.get("loaded")
         # every node reads every rank's reports (the job's decisions need

@@ -92,6 +92,23 @@ def test_lost_node_drained_and_replaced_on_spare(fresh, tmp_path, in_step):
     assert (tmp_path / "jit" / "slurm-replacement-n3.log").exists()  # srun's own output goes there
 
 
+def test_step_started_from_outside_the_allocation(fresh, tmp_path):
+    # `srun --jobid=ID -w n1` from outside the allocation (how a batch system's
+    # wrapper or a test starts agents): the step's SLURM_JOB_NODELIST is n1 only,
+    # the spare is still found among the allocation's nodes (asked from slurmctld).
+    cp = fresh.run("salloc", "--nodes=3", "--no-shell", "--immediate=20")
+    job = cp.stderr.split("Granted job allocation ")[1].split()[0]
+    env = {**fresh.env, "JITCKPT_DIR": str(tmp_path / "jit")}
+    cp = subprocess.run(["srun", f"--jobid={job}", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1",
+                         sys.executable, "-c", HELPER, json.dumps(_failure(tmp_path)), str(tmp_path / "marker")],
+                        env=env, capture_output=True, text=True, timeout=90)
+    assert cp.returncode == 0, f"{cp.stdout}\n{cp.stderr}\n{fresh.logs()}"
+    ans = json.loads(cp.stdout.strip().splitlines()[-1])
+    assert ans["job"] == job and ans["nodelist"] == "n1"
+    assert ans["env"] == {"JITCKPT_SLURM_SPARE": "n3"}, cp.stderr
+    assert (tmp_path / "marker").read_text().split() == ["n3", job]
+
+
 def test_no_spare_restarts_without_replacement(fresh, tmp_path):
     # n3 is busy too (a surviving agent), so nothing of the allocation is left.
     ans, err = _in_allocation(fresh, tmp_path, _failure(tmp_path, hosts=["n1", "n3"]))

@@ -181,6 +181,7 @@ def test_lost_node_drained_and_replaced_by_srun_on_spare(cluster, tmp_path, refe
             return next((e for e in _events(jit) if e["event"] == "job_end" and e.get("node") == node), None)
 
         _wait(lambda: repl_end() is not None, 60, "the replacement agent's job_end", diag)
+        t_done = time.monotonic()
         evs = _events(jit)
         assert repl_end()["exitcode"] == 0, diag()
 
@@ -202,9 +203,10 @@ def test_lost_node_drained_and_replaced_by_srun_on_spare(cluster, tmp_path, refe
         repl = replacement_log().read_text(errors="replace")
         assert re.search(r"\[rank \d\] resumed from \S+ at step [1-9]\d*", repl), diag()
 
+        print(f"slurm e2e: kill -> job done {t_done - t_kill:.1f}s, allocation -> job done {t_done - t_start:.1f}s")
+
         # bit-identical to a failure-free run (2 ranks on one host = 2 nodes x 1 rank)
         assert_same_state(reference(2, STEPS), out)
-        print(f"e2e: kill->done {time.monotonic() - t_kill:.1f}s, total {time.monotonic() - t_start:.1f}s")
     finally:
         for p in sruns.values():
             if p.poll() is None:
