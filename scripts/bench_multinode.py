@@ -1,12 +1,14 @@
 """Multi-node recovery: jitrun vs plain torchrun + periodic checkpoints, nodes as network namespaces.
 
     python scripts/bench_multinode.py [--quick] [--cases a,b,c] [--cap 150] [--json FILE] [--publish]
-                                      [--keep DIR] [-v]
+                                      [--keep DIR] [--reparse DIR] [-v]
     python scripts/bench_recovery.py --multinode [the same options]
 
 Needs root (network and mount namespaces: tests/netns.py, the multi-node test
 harness). Outputs: the raw measurements in build/bench/multinode.json
 (untracked); ``--publish`` writes bench_results/multinode.json instead.
+``--quick``: cases a and c only, 60 steps, F = 27, cap 100 s (~3 minutes,
+most of it torchrun failing c).
 
 The world: 2 nodes x 1 rank (gloo, CPU), each node a network namespace with
 its own address, each launcher process tree in a private mount namespace
@@ -22,8 +24,14 @@ a  rank 1 SIGKILLed in the backward pass of step F (47), its node and agent
    only injects the fault);
 b  node 1 lost (every process in its namespace SIGKILLed: agent + worker)
    when rank 0 has printed step F, with a hot spare: a third node whose agent
-   (the same command) was started when rank 0 printed step 0, i.e. after the
-   job's round was complete, and has waited since;
+   (the same command) was started as soon as the job's first rendezvous round
+   was complete (node 1 has a connection to node 0 other than the rendezvous
+   endpoint's: the workers' gloo pairs; or rank 0 printed step 0), so it can
+   only wait. "Already waiting" is checked, not assumed: the kill waits, past
+   step F if need be, until the spare's agent has held a connection to the
+   rendezvous endpoint for 1 s (``ss`` in its namespace; neither launcher
+   reports a spare parked in torch's redundancy list). The table's "failed
+   in step" column shows where the kill came;
 c  node 1 lost the same way, and a replacement node started ``--replace-delay``
    (3) s after the kill, with the same command.
 
@@ -65,16 +73,20 @@ fault        a/jitrun: ``fault_injected`` in events.jsonl. a/torchrun (nothing
              moment this script killed node 1.
 restore      the step both ranks loaded after the failure (their "resumed
              from ... at step N" lines); 0 for a restart from scratch.
-redone mb    minibatches computed again: P + 1 - restore, P the minibatch in
-             progress at the failure (a: F; b/c: 1 + the last step rank 0
-             printed before the kill).
+failed in    P, the minibatch in progress at the failure (a: F; b/c: 1 + the
+  step       last step rank 0 printed before the kill).
+redone mb    minibatches computed again: P + 1 - restore.
 fail->res    fault -> the first step line after the restart (the first
              minibatch done again: the definition of bench_recovery.py and of
              events.jsonl's failure_to_resumed_s).
+fail->caught fault -> the line of step P after the restart: back where the job
+  up         was, the redone minibatches included (the same as fail->res when
+             the restore step is P, as with jitrun).
 wall         the first agent started -> the last agent exited (start-up
              included).
 exit codes   every agent (bash wrapper) by name; -9 for the lost node's.
-ratio        jitrun fail->res / torchrun fail->res, where both recovered.
+ratio        jitrun / torchrun of fail->res (and of fail->caught up), where
+             both recovered.
 
 The machine is shared (2 cores, other people's tests): step and start-up
 times swing by tens of percent between runs; compare the ratios, measured in
@@ -87,6 +99,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,10 +116,10 @@ from compare_state import diff_states  # noqa: E402
 TRAIN = str(HERE / "demo_train.py")
 PORT = 29400
 POLL_S = 0.01
+SPARE_SETTLE_S = 1.0
 BASE_ENV = {"OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
 STEP_RE = re.compile(r"^\[rank 0\] step\s+(\d+) loss")
 RESUMED_RE = re.compile(r"^\[rank (\d+)\] resumed from .* at step (\d+)")
-SPARE_RE = re.compile(r"node\(s\) waiting to join")
 # the last error a surviving agent printed: "SomethingError: message"
 ERROR_RE = re.compile(r"^((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Timeout)):\s*(.*)")
 
@@ -133,7 +146,7 @@ class MNRun:
     fault_source: str | None = None
     fault_t_estimate: float | None = None  # the torchrun estimator (line of step F-1), also for jitrun
     spare_started_t: float | None = None
-    spare_waiting_t: float | None = None  # jitrun: the job's agents report the waiting node
+    spare_connected_t: float | None = None  # the spare's agent reached the rendezvous endpoint
     replacement_started_t: float | None = None
     progress_step: int | None = None  # P: the minibatch in progress at the failure
     restore_step: int | None = None
@@ -192,6 +205,13 @@ def failure_reason(run: MNRun, lines: list[tuple[float, str, str]]) -> str | Non
            else "exit " + " ".join(f"{k}={v}" for k, v in alive.items() if v != 0))
     if first:
         why += f"; first error: {first[:120]}"
+    elif run.timed_out:
+        last: dict[str, str] = {}
+        for _, src, line in sorted(lines, key=lambda x: x[0]):
+            if src not in run.lost and line.strip():
+                last[src] = line.strip()
+        if last:
+            why += "; last output: " + ", ".join(f"{k}: {v[:70]!r}" for k, v in last.items())
     return why
 
 
@@ -205,8 +225,6 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
     run.periodic_saves = sum(1 for _, _, line in lines if line.startswith("[rank 0] periodic checkpoint"))
     if steps:
         run.end_t, run.last_step = steps[-1]
-    spare = [t for t, src, line in lines if SPARE_RE.search(line) and src != "spare"]
-    run.spare_waiting_t = spare[0] if spare else None
     run.recovery = [e for e in events if e.get("event") == "recovery"]
     F = run.fault_step
     if F is not None:
@@ -224,6 +242,8 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
         run.progress_step = max(before) + 1 if before else 0
     run.error = failure_reason(run, lines)
     if run.fault_t is None:
+        if run.case != "ref" and run.error is None:
+            run.error = "no failure happened (the job ended first)"
         return run
     after = [(t, s) for t, s in steps if t > run.fault_t]
     resumed = [(t, int(m.group(1)), int(m.group(2))) for t, _, line in lines
@@ -334,11 +354,9 @@ def details(runs: list[MNRun]) -> str:
                 out.append(f"  {r.name:<12} torchrun's fault-time estimate (line of step F-1) is "
                            f"{(r.fault_t - r.fault_t_estimate) * 1e3:.0f} ms early here")
         if r.case == "b" and r.spare_started_t is not None and r.fault_t is not None:
-            w = (f"seen waiting by the job's agents {r.fault_t - r.spare_waiting_t:.1f}s before the kill"
-                 if r.spare_waiting_t is not None and r.spare_waiting_t <= r.fault_t else
-                 "its arrival was not reported by the job's agents before the kill" if r.launcher == "jitrun"
-                 else "torchrun does not report a waiting node")
-            out.append(f"  {r.name:<12} spare started {r.fault_t - r.spare_started_t:.1f}s before the kill; {w}")
+            conn = (f", at the rendezvous endpoint {r.fault_t - r.spare_connected_t:.1f}s before it"
+                    if r.spare_connected_t is not None else "")
+            out.append(f"  {r.name:<12} spare started {r.fault_t - r.spare_started_t:.1f}s before the kill{conn}")
         if r.launcher == "torchrun" and r.periodic_saves:
             out.append(f"  {r.name:<12} {r.periodic_saves} periodic checkpoints written (shared host directory)")
         if r.diffs:
@@ -387,6 +405,36 @@ def _harness():
     import netns
 
     return netns
+
+
+def established(node) -> list[tuple[int, str, int]]:
+    """(local port, peer address, peer port) of every established TCP
+    connection in ``node``'s network namespace."""
+    cp = subprocess.run([*node.exec_prefix(), "ss", "-Htn", "state", "established"], capture_output=True,
+                        text=True, check=False)
+    out = []
+    for row in cp.stdout.splitlines():
+        cols = row.split()
+        if len(cols) >= 4:
+            local, peer = cols[-2], cols[-1]
+            try:
+                addr = peer.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")  # IPv4-mapped (dual stack)
+                out.append((int(local.rsplit(":", 1)[1]), addr, int(peer.rsplit(":", 1)[1])))
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+def round_complete(node1, node0_addr: str) -> bool:
+    """Node 1 talks to node 0 on a port other than the rendezvous endpoint's:
+    its worker's process group (gloo pairs) is up, so the first rendezvous
+    round is complete (a node arriving now cannot take part in it)."""
+    return any(peer == node0_addr and PORT not in (lp, pp) for lp, peer, pp in established(node1))
+
+
+def rdzv_connected(node, node0_addr: str) -> bool:
+    """An agent on ``node`` holds a connection to the rendezvous endpoint."""
+    return any(peer == node0_addr and pp == PORT for _, peer, pp in established(node))
 
 
 def command(launcher: str, node, nodes0_addr: str, args, *, out: Path, jit: str, fault: bool,
@@ -444,6 +492,7 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) ->
         start(c.nodes[1], "agent1")
         deadline = time.monotonic() + args.cap
         seen = -1  # the highest step rank 0 printed before the failure
+        next_probe = 0.0
         while True:
             for tl in tails.values():
                 for item in tl.read():
@@ -452,9 +501,18 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) ->
                         print(f"  {item[0]:.3f} {item[1]:<11} {item[2]}", flush=True)
                     if run.fault_t is None and (m := STEP_RE.match(item[2])):
                         seen = max(seen, int(m.group(1)))
-            if case == "b" and run.spare_started_t is None and seen >= 0:
-                run.spare_started_t = start(c.add_node(), "spare")
-            if case in ("b", "c") and run.fault_t is None and seen >= F:
+            if case == "b" and time.monotonic() >= next_probe:
+                # the spare starts once the job's first round is complete and
+                # counts as waiting 1 s after its agent reached the endpoint
+                next_probe = time.monotonic() + 0.2
+                if run.spare_started_t is None and (seen >= 0 or round_complete(c.nodes[1], c.nodes[0].addr)):
+                    run.spare_started_t = start(c.add_node(), "spare")
+                elif run.spare_connected_t is None and run.spare_started_t is not None and rdzv_connected(
+                        c.nodes[2], c.nodes[0].addr):
+                    run.spare_connected_t = time.time()
+            spare_ready = case != "b" or (run.spare_connected_t is not None
+                                          and time.time() - run.spare_connected_t >= SPARE_SETTLE_S)
+            if case in ("b", "c") and run.fault_t is None and seen >= F and spare_ready:
                 run.fault_t, run.fault_source = time.time(), "node 1 killed"
                 c.nodes[1].kill()
                 run.lost = ["agent1"]
@@ -491,7 +549,7 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) ->
 
 # what a run records before analysis: enough for --reparse
 RAW = ("case", "launcher", "fault_step", "exit_codes", "lost", "timed_out", "cap_s", "t_start", "t_end", "fault_t",
-       "fault_source", "spare_started_t", "replacement_started_t", "workdir")
+       "fault_source", "spare_started_t", "spare_connected_t", "replacement_started_t", "workdir")
 
 
 def _events(d: Path) -> list[dict]:

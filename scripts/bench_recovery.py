@@ -2,6 +2,12 @@
 
     python scripts/bench_recovery.py [--steps 120] [--seed 0] [--intervals 10,30,60]
                                      [--repeats 2] [--plot FILE] [--json FILE] [--publish] [--quick]
+    python scripts/bench_recovery.py --multinode [bench_multinode.py's options]
+
+``--multinode`` runs the multi-node cases instead (scripts/bench_multinode.py,
+also runnable alone): a killed rank, a lost node with a hot spare, a lost node
+with a late replacement, jitrun vs torchrun + periodic checkpoints, nodes as
+network namespaces (needs root); raw numbers in build/bench/multinode.json.
 
 Outputs go to build/bench/ (untracked): the plot recovery.png, and the raw
 measurements recovery.json. ``--publish`` writes them to bench_results/
@@ -418,7 +424,14 @@ def plot(results: list[Result], ref: Result, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--multinode" in argv:
+        import bench_multinode
+
+        return bench_multinode.main([a for a in argv if a != "--multinode"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--multinode", action="store_true",
+                    help="run the multi-node cases instead (scripts/bench_multinode.py; its options follow)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--step-sleep", type=float, default=0.05, help="simulated compute per step (s)")
     ap.add_argument("--seed", type=int, default=0, help="picks the failing step")

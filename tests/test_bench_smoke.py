@@ -321,3 +321,146 @@ def test_bench_recovery_end_to_end(tmp_path):
     assert len(run["saves"]) >= 20 // 8
     assert "| ckpt-8 |" in proc.stdout
     assert png.stat().st_size > 1000
+
+
+# -- bench_multinode (synthetic: no namespaces, no jobs) -------------------------------------
+
+import argparse  # noqa: E402
+
+import bench_multinode as bm  # noqa: E402
+
+
+def mn_lines(upto: int, t0: float = 100.0, m: float = 0.1, src: str = "agent0", start: int = 0):
+    """rank 0's step lines start..upto, one every m seconds from t0."""
+    return [(t0 + m * (s - start + 1), src, step_line(s)) for s in range(start, upto + 1)]
+
+
+def mn_jitrun_a():
+    F = 47
+    lines = mn_lines(F - 1)
+    fault_t = lines[-1][0] + 0.03
+    resumed = fault_t + 5.0
+    lines += [(resumed, "agent1", f"[rank 1] resumed from /j/ckpt/step-{F}/state.pt at step {F}"),
+              (resumed + 0.01, "agent0", f"[rank 0] resumed from /j/ckpt/step-{F}/state.pt at step {F}")]
+    lines += mn_lines(119, t0=resumed + 0.01, start=F)
+    events = [{"event": "fault_injected", "t": fault_t, "rank": 1},
+              {"event": "recovery", "t": resumed + 0.2, "failure_to_resumed_s": 5.1, "detection_s": 0.04,
+               "checkpoint_s": 0.01, "restart_to_resumed_s": 5.0, "restore_step": F, "redone_minibatches": 1}]
+    run = bm.MNRun(case="a", launcher="jitrun", fault_step=F, exit_codes={"agent0": 0, "agent1": 0},
+                   t_start=95.0, t_end=resumed + 10)
+    return bm.analyse(run, lines, events), fault_t
+
+
+def mn_torchrun_a():
+    F = 47
+    lines = mn_lines(F - 1)
+    lines += [(lines[-1][0] + 0.2, "agent1", "E1123 ... api.py:1002] failed (exitcode: -9) local_rank: 0"),
+              (lines[-1][0] + 1.2, "agent0", "[rank0]: RuntimeError: Connection reset by peer")]
+    resumed = lines[-1][0] + 6.0
+    lines += [(resumed, "agent1", "[rank 1] resumed from /s/ckpt/periodic.pt at step 40"),
+              (resumed + 0.02, "agent0", "[rank 0] resumed from /s/ckpt/periodic.pt at step 40")]
+    lines += mn_lines(119, t0=resumed + 0.02, start=40)
+    run = bm.MNRun(case="a", launcher="torchrun", fault_step=F, exit_codes={"agent0": 0, "agent1": 0},
+                   t_start=95.0, t_end=resumed + 10)
+    return bm.analyse(run, lines, []), lines[F - 1][0], resumed + 0.02
+
+
+def mn_torchrun_c_failed():
+    lines = mn_lines(47)
+    kill_t = lines[-1][0] + 0.01
+    lines += [(kill_t + 0.05, "agent0", "[rank0]: RuntimeError: [gloo] Read error: Connection reset by peer"),
+              (kill_t + 70, "agent0", "Traceback (most recent call last):"),
+              (kill_t + 70, "agent0", "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: "
+                                      "/torch.rendezvous.x.1/torchelastic/role_info/0"),
+              (kill_t + 71, "replacement", "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.")]
+    run = bm.MNRun(case="c", launcher="torchrun", fault_step=47, fault_t=kill_t, lost=["agent1"], cap_s=150,
+                   exit_codes={"agent0": 1, "agent1": -9, "replacement": 1}, t_start=95.0, t_end=kill_t + 72)
+    return bm.analyse(run, lines, [])
+
+
+def mn_jitrun_c():
+    lines = mn_lines(47)
+    kill_t = lines[-1][0] + 0.01
+    resumed = kill_t + 9.0
+    lines += [(resumed, "agent0", "[rank 0] resumed from /j/ckpt/step-48/state.pt at step 48"),
+              (resumed + 0.03, "replacement", "[rank 1] resumed from /j/ckpt/step-48/state.pt at step 48")]
+    lines += mn_lines(119, t0=resumed + 0.03, start=48)
+    run = bm.MNRun(case="c", launcher="jitrun", fault_step=47, fault_t=kill_t, lost=["agent1"],
+                   exit_codes={"agent0": 0, "agent1": -9, "replacement": 0}, t_start=95.0, t_end=resumed + 10,
+                   replacement_started_t=kill_t + 3)
+    return bm.analyse(run, lines, []), kill_t, resumed
+
+
+def test_multinode_analyse_rank_kill():
+    j, fault_t = mn_jitrun_a()
+    assert j.recovered() and j.error is None
+    assert (j.progress_step, j.restore_step, j.redone_minibatches) == (47, 47, 1)
+    assert j.fault_t == fault_t and j.fault_source == "fault_injected event"
+    assert j.fault_t - j.fault_t_estimate == pytest.approx(0.03)
+    assert j.fail_to_resumed_s() == pytest.approx(5.0 + 0.01 + 0.1)
+    assert j.fail_to_caught_up_s() == pytest.approx(j.fail_to_resumed_s())  # step 47 is the first one again
+    t, est, resumed = mn_torchrun_a()
+    assert t.recovered() and t.fault_t == est
+    assert (t.restore_step, t.redone_minibatches) == (40, 8)
+    assert t.resume_t == pytest.approx(resumed)
+    assert t.fail_to_resumed_s() == pytest.approx(resumed + 0.1 - est)
+    assert t.fail_to_caught_up_s() == pytest.approx(resumed + 0.8 - est)  # steps 40..47 again
+
+
+def test_multinode_analyse_lost_node():
+    j, kill_t, resumed = mn_jitrun_c()
+    assert j.recovered() and (j.progress_step, j.restore_step, j.redone_minibatches) == (48, 48, 1)
+    assert j.fail_to_resumed_s() == pytest.approx(resumed + 0.03 + 0.1 - kill_t)
+    t = mn_torchrun_c_failed()
+    assert not t.recovered() and t.first_done_t is None and t.progress_step == 48
+    # the first uncaught exception of a surviving agent, not the workers' own "[rank0]:" errors
+    assert "exit agent0=1 replacement=1" in t.error and "agent0: DistStoreError: wait timeout" in t.error
+    capped = bm.MNRun(case="b", launcher="torchrun", exit_codes={"agent0": None, "spare": None}, timed_out=True,
+                      cap_s=150, lost=["agent1"])
+    assert bm.failure_reason(capped, []) == "no exit within 150s, killed"
+    ok = bm.MNRun(case="b", launcher="jitrun", exit_codes={"agent0": 0, "agent1": -9, "spare": 0}, lost=["agent1"])
+    assert bm.failure_reason(ok, []) is None
+
+
+def test_multinode_table_ratios_and_json(tmp_path, capsys):
+    ja, _ = mn_jitrun_a()
+    ta, _, _ = mn_torchrun_a()
+    jc, _, _ = mn_jitrun_c()
+    tc = mn_torchrun_c_failed()
+    for r in (ja, ta, jc):
+        r.identical = True
+    runs = [ja, ta, jc, tc]
+    rat = bm.ratios(runs)
+    assert rat["a"]["both_recovered"]
+    assert rat["a"]["fail_to_resumed"]["ratio"] == pytest.approx(ja.fail_to_resumed_s() / ta.fail_to_resumed_s())
+    assert rat["c"]["fail_to_resumed"]["ratio"] is None and rat["c"]["not_recovered"] == ["torchrun"]
+    rows = bm.table(runs).splitlines()
+    assert len({row.count("|") for row in rows}) == 1 and len(rows) == 2 + len(runs)
+    assert rows[2].startswith("| a: rank 1 killed") and "| jitrun | agent0=0 agent1=0 | 47 | 47 | 1 |" in rows[2]
+    assert rows[2].endswith("| yes |")
+    assert "agent1=-9 (lost)" in rows[5] and "failed: exit agent0=1" in rows[5] and rows[5].endswith("| - |")
+    rrows = bm.ratio_table(runs).splitlines()
+    assert len({row.count("|") for row in rrows}) == 1
+    assert f"{rat['a']['fail_to_resumed']['ratio']:.3f}" in rrows[2] and "torchrun did not recover" in rrows[3]
+    ref = bm.MNRun(case="ref", launcher="torchrun", exit_codes={"agent0": 0, "agent1": 0}, t_start=0, t_end=20,
+                   last_step=119)
+    out = tmp_path / "mn" / "multinode.json"
+    args = argparse.Namespace(replace_delay=3.0, fault_step=47, ckpt_every=10, cap=150.0, json=str(out))
+    assert bm.report(args, ref, runs, 321.0) == 0
+    printed = capsys.readouterr().out
+    assert "| c: node 1 lost, replacement +3s | torchrun |" in printed and "total 321s" in printed
+    data = json.loads(out.read_text())
+    assert data["total_s"] == 321.0 and data["reference"]["name"] == "ref"
+    assert [r["name"] for r in data["runs"]] == ["a-jitrun", "a-torchrun", "c-jitrun", "c-torchrun"]
+    assert data["runs"][0]["redone_minibatches"] == 1 and data["runs"][3]["recovered"] is False
+    assert data["ratios"]["a"]["fail_to_resumed"]["ratio"] == pytest.approx(rat["a"]["fail_to_resumed"]["ratio"])
+    # a jitrun case that did not recover bit-identically fails the run
+    jc.identical = False
+    assert bm.report(args, ref, runs, None) == 1
+
+
+def test_bench_recovery_dispatches_multinode(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bm, "main", lambda argv: seen.append(argv) or 0)
+    assert br.main(["--multinode", "--quick", "--json", ""]) == 0
+    assert seen == [["--quick", "--json", ""]]
