@@ -226,7 +226,8 @@ class JitAgent(LocalElasticAgent):
         store = rdzv.coordination_store(handler)
         if store is not None:
             if self._coord is None:
-                self._coord = decide.Coordinator(store, self._jit.token, self._node)
+                # our blocking waits must not share the heartbeat thread's connection
+                self._coord = decide.Coordinator(transfer.own_connection(store), self._jit.token, self._node)
                 self._server = transfer.ReplicaServer(store, self._jit.token, self._node.node_id,
                                                       self._jit.root, self._jit.job_id).start()
             self._coord.announce(self._round, worker_group.group_rank)

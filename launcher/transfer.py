@@ -53,8 +53,11 @@ def _k(token: str, *parts: object) -> str:
     return "/".join([namespace(token), "xfer", *map(str, parts)])
 
 
-def _clone(store, timeout_s: float):
-    """A separate client connection to the same TCPStore server."""
+def own_connection(store, timeout_s: float = 60.0):
+    """A separate client connection to the same TCPStore server. A client
+    runs one operation at a time: a long ``wait`` on a connection shared with
+    torch's rendezvous heartbeat thread would stall the heartbeats until the
+    other nodes declare this one dead."""
     import torch.distributed as dist
 
     if isinstance(store, dist.TCPStore):
@@ -65,7 +68,7 @@ def _clone(store, timeout_s: float):
 
 class ReplicaServer:
     def __init__(self, store, token: str, node_id: str, root: Path, job_id: str) -> None:
-        self._store = _clone(store, 30.0)
+        self._store = own_connection(store, 30.0)
         self._token = token
         self._node = node_id
         self._root = root
