@@ -170,3 +170,59 @@ def test_netconf_derives_interface_and_is_host():
     given = Namespace(local_addr=None, rdzv_backend="c10d", rdzv_endpoint="192.0.2.77:29400", rdzv_conf="is_host=1")
     netconf.derive(given, env)
     assert given.rdzv_conf == "is_host=1", "what the user set wins"
+
+
+class _FakeHandler:
+    """Just what rdzv.install touches of torch's DynamicRendezvousHandler."""
+
+    def __init__(self, store, rank: int, port: int | None, waiting: int = 0) -> None:
+        from types import SimpleNamespace
+
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        self._store = store
+        self._state_holder = SimpleNamespace(state=SimpleNamespace(round=0))
+        self._bootstrap_store_info = RendezvousStoreInfo("stale-host", 1)  # what torch caches after round 0
+        self._shared_tcp_store_server = SimpleNamespace(port=port) if port else None
+        self._this_node = SimpleNamespace(addr=f"node{rank}")
+        self.use_agent_store = True
+        self._rank, self._waiting = rank, waiting
+        self._info = lambda: RendezvousInfo(dist.PrefixStore(f"round{self._state_holder.state.round}", store),
+                                            rank, 2, self._bootstrap_store_info)
+
+    def next_rendezvous(self):
+        self._state_holder.state.round += 1
+        return self._info()
+
+    def num_nodes_waiting(self) -> int:
+        return self._waiting
+
+
+def test_rdzv_republishes_the_workers_store_every_round():
+    """torch 2.13 writes MASTER_ADDR/PORT only in a node's first round; a node
+    joining round k then waits forever. After install, rank 0 writes them for
+    every round and the others read them (following a rank-0 change)."""
+    from jitrun import rdzv
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=5))
+    r0, r1 = _FakeHandler(store, 0, port=4242), _FakeHandler(store, 1, port=None)
+    rdzv.install(r0)
+    rdzv.install(r1)
+    info0 = r0.next_rendezvous()
+    assert (info0.bootstrap_store_info.master_addr, info0.bootstrap_store_info.master_port) == ("node0", 4242)
+    info1 = r1.next_rendezvous()  # a replacement: reads what rank 0 wrote for this round
+    assert (info1.bootstrap_store_info.master_addr, info1.bootstrap_store_info.master_port) == ("node0", 4242)
+    assert rdzv.current_round(r1) == 1 and rdzv.coordination_store(r1) is store
+
+
+def test_rdzv_hides_waiting_nodes_while_healthy():
+    from jitrun import rdzv
+
+    seen = []
+    healthy = [True]
+    h = _FakeHandler(dist.HashStore(), 0, port=1, waiting=1)
+    rdzv.install(h, on_spare=seen.append, healthy=lambda: healthy[0])
+    assert h.num_nodes_waiting() == 0 and seen == [1]
+    healthy[0] = False
+    assert h.num_nodes_waiting() == 1
