@@ -7,6 +7,7 @@ import sys
 import traceback
 
 from . import config, layout
+from .consistency import FRESH
 from .runtime import Runtime, SaveFn
 
 _runtime: Runtime | None = None
@@ -99,7 +100,7 @@ def get_checkpoint_path() -> str | None:
     """Directory of the newest complete replica checkpoint for this rank's
     shard, verified against its manifest checksums, or None."""
     rt = _get_runtime()
-    rt.loaded = "fresh"  # asked; replaced by the step below when one is found
+    rt.loaded = FRESH  # asked; replaced by the step below when one is found
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():
         return None
@@ -113,9 +114,11 @@ def get_checkpoint_path() -> str | None:
         step = int(env_step)
     else:
         step = layout.select_step(replicas, {r.shard for r in replicas})
+    def older(s: int) -> int | None:
+        return layout.select_step(replicas, {rt.shard}, max_step=s - 1)
+
     if step is not None and rt.injector.take_stale_restore():
-        # test fault: load the newest older step (the consistency check must refuse it)
-        step = layout.select_step(replicas, {rt.shard}, max_step=step - 1)
+        step = older(step)  # test fault: the consistency check must refuse this
     if step is None:
         return None
     rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
@@ -124,15 +127,15 @@ def get_checkpoint_path() -> str | None:
         # the choice (corrupted since): the newest valid older one, loudly.
         # If other ranks did load the chosen step, the job-wide consistency
         # check stops the job before any training step.
-        older = layout.select_step(replicas, {rt.shard}, max_step=step - 1)
+        used = older(step)
+        why = "; ".join(w for p, w in rejected if f"step-{step}" in str(p)) or "absent"
         print(f"[jitckpt] rank {cfg.rank}: WARNING: no valid replica of the chosen step {step} for shard "
-              f"{rt.shard} on this node ({'; '.join(w for p, w in rejected if f'step-{step}' in str(p)) or 'absent'});"
-              f" falling back to {'step ' + str(older) if older is not None else 'a fresh start'}",
-              file=sys.stderr, flush=True)
-        rt.report("restore_fallback", chosen=step, used=older)
-        if older is None:
+              f"{rt.shard} on this node ({why}); falling back to "
+              f"{'step ' + str(used) if used is not None else 'a fresh start'}", file=sys.stderr, flush=True)
+        rt.report("restore_fallback", chosen=step, used=used)
+        if used is None:
             return None
-        rep = layout.pick_replica(replicas, older, rt.shard, prefer_rank=cfg.rank)
+        rep = layout.pick_replica(replicas, used, rt.shard, prefer_rank=cfg.rank)
     if rep is None:
         return None
     rt.steps_done = rep.step

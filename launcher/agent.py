@@ -64,10 +64,6 @@ class _Proc:
     wait: Callable[[], object]
 
 
-def _default_addr() -> str:
-    return socket.getfqdn()
-
-
 def _host_name() -> str:
     # under Slurm the scheduler's name for this node (several slurmd may share a host)
     return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
@@ -130,7 +126,7 @@ class JitAgent(LocalElasticAgent):
         self._exited: dict[int, int] = {}
         self._fault_t: float | None = None
         self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES", "JITCKPT_ATTEMPT"}
-        addr = self._worker_group.spec.local_addr or _default_addr()
+        addr = self._worker_group.spec.local_addr or socket.getfqdn()
         self._node = decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=_host_name(), addr=addr)
         events.node = self._node.node_id
         self._round = 0
@@ -321,9 +317,6 @@ class JitAgent(LocalElasticAgent):
         pc.close()  # type: ignore[union-attr]
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
-    def _exit_codes(self, wg: WorkerGroup) -> dict[int, int | None]:
-        return {r: p.poll() for r, p in self._procs(wg).items()}
-
     def _set_local_rank_env(self, worker_env: dict, local_rank: int, spec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
         # Forked (warm) workers carry the environment of job start; what jitrun
@@ -332,17 +325,18 @@ class JitAgent(LocalElasticAgent):
             if k in os.environ:
                 worker_env[k] = os.environ[k]
 
-    def _track_life(self, wg: WorkerGroup) -> None:
+    def _track_life(self, procs: dict[int, _Proc]) -> None:
         now = time.time()
-        for r, p in self._procs(wg).items():
+        for r, p in procs.items():
             ticks = _cpu_ticks(p.pid)
             if ticks is not None and (r not in self._life or self._life[r][0] != ticks):
                 self._life[r] = (ticks, now)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         msgs = self._poll(worker_group, absorb=False)
-        self._track_life(worker_group)
-        codes = self._exit_codes(worker_group)
+        procs = self._procs(worker_group)
+        self._track_life(procs)
+        codes = {r: p.poll() for r, p in procs.items()}
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         # An injected fault's announcement only timestamps the failure; detection
         # is the healthy ranks' (or an exit), as it would be for a real fault.
@@ -357,7 +351,7 @@ class JitAgent(LocalElasticAgent):
             # No collective is left to time out once a peer finished: a rank
             # stopped in its last minibatch would be waited on forever.
             for r, c in codes.items():
-                if c is None and _proc_state(self._procs(worker_group)[r].pid) == "T":
+                if c is None and _proc_state(procs[r].pid) == "T":
                     failed[r] = -int(signal.SIGSTOP)
                     self._events.emit("failure_detected", rank=r, reason="stopped after peers finished")
         if failed or reported:
@@ -453,7 +447,7 @@ class JitAgent(LocalElasticAgent):
             # The failure came after the last minibatch of a replica of every
             # shard: the job's result exists; restarting would redo it all.
             self._events.emit("finished_despite_failure", failed_ranks=sorted(f.reasons),
-                              finished_ranks=sorted(self._finished | {k for k, c in self._exited.items() if c == 0}))
+                              finished_ranks=sorted(self._done_ranks()))
             print("jitrun: a rank failed after its replicas finished the job; the finished replicas' result "
                   "stands, nothing to restart", flush=True)
             self._failure = None
@@ -468,6 +462,10 @@ class JitAgent(LocalElasticAgent):
                 failures[r] = ProcessFailure(local_rank=lr, pid=h.pid, exitcode=code,
                                              error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
         return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    def _done_ranks(self) -> set[int]:
+        """Ranks that finished the job: reported by any node, or exited 0 here."""
+        return self._finished | {k for k, c in self._exited.items() if c == 0}
 
     def _last_alive(self, f: _Failure) -> float | None:
         """When the first of this node's failed ranks last used CPU."""
@@ -499,8 +497,7 @@ class JitAgent(LocalElasticAgent):
             replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
             shards = set(self._shards.values()) | {r.shard for r in replicas} or {"0"}
             step = layout.select_step(replicas, shards)
-            done = self._finished | {k for k, c in self._exited.items() if c == 0}
-            if self._shards and all(any(self._shards.get(r) == sh for r in done) for sh in shards):
+            if decide.all_shards_finished({str(k): v for k, v in self._shards.items()}, self._done_ranks(), shards):
                 return True
         else:
             d = self._decide(f, wg)
@@ -530,8 +527,7 @@ class JitAgent(LocalElasticAgent):
         coord = self._coord
         assert coord is not None
         r = self._round
-        finished = self._finished | {k for k, c in self._exited.items() if c == 0}
-        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, finished)
+        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, self._done_ranks())
         inv["last_alive"] = self._last_alive(f)
         coord.post(r, inv)
         nodes = coord.nodes(r, wg.group_world_size)

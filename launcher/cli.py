@@ -143,10 +143,10 @@ def check_args(args) -> str | None:
     env_timeout = os.environ.get("JITCKPT_TIMEOUT")
     if args.jit_timeout is None and env_timeout:
         try:
-            ok = math.isfinite(float(env_timeout)) and float(env_timeout) > 0
+            bad = _check_seconds("JITCKPT_TIMEOUT", float(env_timeout))
         except ValueError:
-            ok = False
-        if not ok:
+            bad = "not a number"
+        if bad:
             return (f"JITCKPT_TIMEOUT={env_timeout!r} in the environment is not a finite number "
                     "of seconds > 0; unset it or pass --jit-timeout SECONDS")
     return None
@@ -219,9 +219,8 @@ def run(args) -> int:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
     timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
-    if os.environ.get("JITCKPT_TOKEN"):
-        os.environ["JITCKPT_TOKEN_SET_BY_USER"] = "1"
-    token = os.environ.get("JITCKPT_TOKEN") or secrets.token_hex(16)
+    user_token = os.environ.get("JITCKPT_TOKEN")
+    token = user_token or secrets.token_hex(16)
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
     os.environ.pop("JITCKPT_RESTORE_STEP", None)
@@ -266,7 +265,8 @@ def run(args) -> int:
 
     from .launch import launch
 
-    return launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, timeout_s=timeout,
+    return launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, share_token=not user_token,
+                  timeout_s=timeout,
                   save_timeout_s=args.jit_save_timeout, sched=sched,
                   command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
 

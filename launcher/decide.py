@@ -72,6 +72,12 @@ def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = froz
     return {**asdict(node), "replicas": reps, "finished": sorted(finished)}
 
 
+def all_shards_finished(shard_of_rank: dict[str, str], finished: set, shards) -> bool:
+    """Every shard has a replica (rank) that finished the job."""
+    have = {shard_of_rank.get(str(r)) for r in finished}
+    return bool(shard_of_rank) and all(sh in have for sh in shards)
+
+
 def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str], nodes: list[dict],
             decided_by: str, max_step: int | None = None) -> Decision:
     """Newest step at which every shard has a replica on some node that posted."""
@@ -94,9 +100,7 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
     else:
         why = f"newest step with a replica of every shard ({len(inventories)} of {len(nodes) or '?'} nodes answered)"
     sources = {sh: holders[(step, sh)] for sh in shards} if step is not None else {}
-    finished = {str(r) for i in inventories for r in i.get("finished", ())}
-    complete = bool(shard_of_rank) and all(
-        any(shard_of_rank.get(r) == sh for r in finished) for sh in shards)
+    complete = all_shards_finished(shard_of_rank, {r for i in inventories for r in i.get("finished", ())}, shards)
     if complete:
         why = "every shard has a replica that finished the job"
     return Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
@@ -175,10 +179,3 @@ class Coordinator:
     def latest(self) -> Decision | None:
         key = self._k("decision")
         return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
-
-
-def store_timeout(store, seconds: float) -> None:
-    try:
-        store.set_timeout(timedelta(seconds=seconds))
-    except AttributeError:
-        pass

@@ -21,7 +21,7 @@ from .agent import JitAgent, JitOptions
 from .events import EventLog, summary
 
 
-def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
+def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str, share_token: bool,
            timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None) -> int:
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
@@ -36,7 +36,8 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     handler = rdzv_registry.get_rendezvous_handler(params)
-    token = _job_token(handler, config, token)
+    if share_token:
+        token = _job_token(handler, config, token)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=handler,
@@ -100,7 +101,7 @@ def _job_token(handler, config: LaunchConfig, token: str) -> str:
     (JITCKPT_TOKEN) is used as is; otherwise the first agent's random token is
     shared through the rendezvous store (the first writer wins), which every
     node of the job can already reach."""
-    if os.environ.get("JITCKPT_TOKEN_SET_BY_USER") or config.max_nodes <= 1:
+    if config.max_nodes <= 1:
         return token
     store = rdzv.coordination_store(handler)
     if store is None:

@@ -42,24 +42,22 @@ def local_ipv4() -> dict[str, str]:
     return out
 
 
-def interface_for(addr: str) -> str | None:
+def interface_for(host: str) -> str | None:
+    """The interface (not loopback) that carries ``host``'s address here."""
     try:
-        ip = socket.gethostbyname(addr)
+        ip = socket.gethostbyname(host)
     except OSError:
         return None
-    for name, a in local_ipv4().items():
-        if a == ip and name != "lo":
-            return name
-    return None
+    return next((name for name, a in local_ipv4().items() if a == ip and name != "lo"), None)
 
 
 def is_local(host: str) -> bool | None:
     """Whether ``host`` names an address of this node (None: cannot resolve)."""
     try:
-        ip = socket.gethostbyname(host)
+        socket.gethostbyname(host)
     except OSError:
         return None
-    return ip in local_ipv4().values() and not ip.startswith("127.")
+    return interface_for(host) is not None
 
 
 def derive(args, env: dict) -> list[str]:

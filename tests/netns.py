@@ -46,6 +46,17 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
 
 
+def signal_all(pids: list[int], *sigs: int) -> list[int]:
+    """Send each signal in turn to every pid (ours, by PID); gone ones are skipped."""
+    for sig in sigs:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    return pids
+
+
 @dataclass
 class Proc:
     """A process tree started on a node (its own session)."""
@@ -106,13 +117,7 @@ class Node:
 
     def kill(self, sig: int = signal.SIGKILL) -> list[int]:
         """Every process on this node (a whole host failing)."""
-        pids = self.pids()
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        return pids
+        return signal_all(self.pids(), sig)
 
 
 class Cluster:

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin")
 
 
@@ -275,3 +277,13 @@ def _wait_for(ok, timeout: float, what: str, cluster: Cluster) -> None:
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not come up (exited: {dead})\n{cluster.logs()}")
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A 3-node Slurm cluster for one test module (skipped where Slurm cannot run)."""
+    try:
+        with start(nodes=3) as c:
+            yield c
+    except Unavailable as e:
+        pytest.skip(str(e))

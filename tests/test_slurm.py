@@ -18,6 +18,8 @@ import slurm_cluster
 from jitrun import scheduler
 from jitrun.scheduler import SchedulerError
 
+cluster = slurm_cluster.cluster  # the module-scoped Slurm cluster fixture
+
 # Runs inside the allocation: place(), then wait for the replacement's marker
 # so the allocation (and with it the srun step) outlives the replacement.
 HELPER = """
@@ -34,13 +36,6 @@ print(json.dumps({"action": p.action, "env": p.env, "job": os.environ["SLURM_JOB
 """
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    try:
-        with slurm_cluster.start(nodes=3) as c:
-            yield c
-    except slurm_cluster.Unavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -32,19 +32,15 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 from conftest import TRAIN, assert_same_state
+from netns import signal_all
+
+cluster = slurm_cluster.cluster  # the module-scoped Slurm cluster fixture
 
 pytestmark = pytest.mark.slow
 
 STEPS = 160
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    try:
-        with slurm_cluster.start(nodes=3) as c:
-            yield c
-    except slurm_cluster.Unavailable as e:
-        pytest.skip(str(e))
 
 
 def _free_port() -> int:
@@ -90,14 +86,7 @@ def _node_pids(cluster, job: str, node: str) -> list[int]:
 def _kill_node(cluster, job: str, node: str) -> list[int]:
     """SIGKILL everything of ours on ``node`` at once (stopped first, so that no part of
     the node reacts to the death of another, as when a machine goes away)."""
-    pids = _node_pids(cluster, job, node)
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    return pids
+    return signal_all(_node_pids(cluster, job, node), signal.SIGSTOP, signal.SIGKILL)
 
 
 def _events(jit: Path) -> list[dict]:
