@@ -31,6 +31,8 @@ $(VENV)/bin/python:
 $(VENV)/.stamp-setup: pyproject.toml | $(VENV)/bin/python
 	@command -v cc >/dev/null && command -v make >/dev/null || \
 	  { apt-get update -qq && apt-get install -y -qq build-essential; }
+	@python3 -c 'import ctypes; ctypes.CDLL("libisal.so.2")' 2>/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq libisal-dev; }
 	$(PIP) install -q -e '.[test,bench]'
 	@touch $@
 setup: $(VENV)/.stamp-setup
