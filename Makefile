@@ -43,7 +43,7 @@ build: setup
 lint: setup
 	$(PY) -m ruff check jitckpt launcher scripts tests
 
-test: build
+test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
@@ -66,3 +66,11 @@ bench: build
 
 clean:
 	rm -rf build demo_runs
+
+# CRIU for process migration (issue 13): the distribution's when it works on this
+# kernel, else 4.1.1 built once per machine into ~/.cache/jitckpt (survives `make
+# clean`), linked at build/criu/criu. < 0.1 s when done. Best effort under `make
+# test` (the CRIU tests then skip with the reason); `make criu` fails loudly.
+.PHONY: criu
+criu:
+	scripts/build_criu.sh $(if $(filter criu,$(MAKECMDGOALS)),,--best-effort)

@@ -35,7 +35,8 @@ commands:
                   launch training_script (or -m module) on this node, like torchrun
   jitrun plan     the cost model: JIT vs periodic checkpointing for a job and
                   cluster (jitrun plan --help)
-  jitrun events   merge the event logs of several nodes (jitrun events --help)"""
+  jitrun events   merge the event logs of several nodes (jitrun events --help)
+  jitrun doctor   whether CRIU, network namespaces, the shim and ISA-L work here"""
 
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
@@ -52,7 +53,8 @@ def _parser():
     p.prog = "jitrun"
     p.usage = ("jitrun [torchrun options] [--jit-* options] training_script [args ...]\n"
                "       jitrun plan [options]     (jitrun plan --help)\n"
-               "       jitrun events [options]   (jitrun events --help)")
+               "       jitrun events [options]   (jitrun events --help)\n"
+               "       jitrun doctor             (jitrun doctor --help)")
     p.description = _DESCRIPTION
     p.epilog = _EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -191,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import events
 
         return events.main(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from . import doctor
+
+        return doctor.main(argv[1:])
     args = _parser().parse_args(argv)
     args.argv = list(argv)  # a replacement agent is started with the same command
     return run(args)

@@ -72,6 +72,20 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def host_path(self, path: str) -> Path:
+        """Where the host sees ``path`` as this process tree sees it (its private tmpfs
+        included): through /proc/PID/root of the tree's first process (``ip netns
+        exec`` and ``unshare -m`` exec, so that PID is the bash inside the private
+        mount namespace). Valid while that process lives."""
+        return Path(f"/proc/{self.popen.pid}/root") / path.lstrip("/")
+
+
+def copy_dir(src: Proc, src_path: str, dst: Proc, dst_path: str) -> None:
+    """Copy a directory from one node's private files to another's through the host,
+    as an operator's scp would (a node cannot read another node's files by path).
+    Both process trees must be alive; ``dst_path``'s parent must exist on ``dst``."""
+    shutil.copytree(src.host_path(src_path), dst.host_path(dst_path), symlinks=True)
+
 
 @dataclass
 class Node:

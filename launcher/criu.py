@@ -1,0 +1,324 @@
+"""CRIU wrapper for process migration (issue 13): find, check, dump, verify, restore.
+
+Which binary: ``$JITCKPT_CRIU``, else ``build/criu/criu`` (the link made by
+``scripts/build_criu.sh`` / ``make criu``), else the per-machine cache
+``$HOME/.cache/jitckpt/criu-4.1.1/criu`` (survives ``make clean``), else
+``criu`` on PATH (and /usr/sbin, /sbin).
+
+Migratable workers run as PID 1 of a PID namespace of their own
+(:func:`migratable_command`): a restore then recreates that namespace, so it
+can never collide with a live PID, and a copy can be restored while the
+original (or its zombie, which lingers ~2 s after a dump) still exists. They
+keep the parent's mount namespace on purpose: with ``--mount-proc`` the task
+sits in a mount namespace of its own, which CRIU would have to dump as well
+(it then fails on the first fd it cannot place: "Can't lookup mount=N for
+fd=0 path=/dev/null").
+
+Every dump writes ``jitckpt-manifest.json`` (sha256 and size of every image
+file, written atomically) next to the images; :func:`restore` refuses images
+that no longer match it (:func:`verify`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CRIU_ENV = "JITCKPT_CRIU"
+VERSION = "4.1.1"
+MANIFEST = "jitckpt-manifest.json"
+DUMP_LOG = "criu-dump.log"
+RESTORE_LOG = "criu-restore.log"
+# Written by CRIU or by us next to the images but not part of them.
+_NOT_IMAGES = {MANIFEST, DUMP_LOG, RESTORE_LOG, "restore.pid", ".manifest.tmp"}
+_REPO = Path(__file__).resolve().parent.parent
+PROVISION_HINT = "run `make criu` (scripts/build_criu.sh) as root, or set JITCKPT_CRIU=/path/to/criu"
+
+
+class CriuError(RuntimeError):
+    """A CRIU operation failed; the message says what, where and how to fix it."""
+
+
+class CriuNotFound(CriuError):
+    pass
+
+
+class ImageCorrupt(CriuError):
+    pass
+
+
+def cache_dir() -> Path:
+    """Per-machine build cache of scripts/build_criu.sh."""
+    env = os.environ.get("JITCKPT_CRIU_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "jitckpt" / f"criu-{VERSION}"
+
+
+def candidates() -> list[tuple[str, str]]:
+    """(where it came from, path) in search order."""
+    out: list[tuple[str, str]] = []
+    if os.environ.get(CRIU_ENV):
+        out.append((f"${CRIU_ENV}", os.environ[CRIU_ENV]))
+    out.append(("build/criu/criu", str(_REPO / "build" / "criu" / "criu")))
+    out.append(("cache", str(cache_dir() / "criu")))
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    found = shutil.which("criu", path=path)
+    if found:
+        out.append(("PATH", found))
+    return out
+
+
+def find_criu() -> str:
+    """Path of the criu binary to use; CriuNotFound saying where it looked and what to do."""
+    cands = candidates()
+    env = os.environ.get(CRIU_ENV)
+    if env and not (os.path.isfile(env) and os.access(env, os.X_OK)):
+        # An explicit choice that is wrong must not silently fall back to another binary.
+        raise CriuNotFound(f"{CRIU_ENV}={env} is not an executable file; fix or unset it ({PROVISION_HINT})")
+    for _, p in cands:
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    looked = ", ".join(p for _, p in cands) + ", criu on PATH"
+    raise CriuNotFound(f"criu not found (looked in {looked}); {PROVISION_HINT}")
+
+
+def _run(cmd: list[str], timeout: float | None) -> subprocess.CompletedProcess:
+    # Own session so a timeout kills criu (ours, by PID) without touching its target.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        raise CriuError(f"{' '.join(cmd[:2])} timed out after {timeout:g}s and was killed; "
+                        f"output: {out[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, None)
+
+
+def version(criu: str | None = None) -> str:
+    criu = criu or find_criu()
+    cp = _run([criu, "--version"], timeout=10)
+    m = re.search(r"Version:\s*(\S+)", cp.stdout)
+    return m.group(1) if m else cp.stdout.strip().splitlines()[0] if cp.stdout.strip() else "?"
+
+
+def check(criu: str | None = None) -> str:
+    """Run ``criu check``; return a one-line description, raise CriuError saying why not."""
+    criu = criu or find_criu()
+    if os.geteuid() != 0:
+        raise CriuError(f"{criu}: criu needs root (CAP_SYS_ADMIN) to check, dump or restore; run as root")
+    cp = _run([criu, "check"], timeout=60)
+    if cp.returncode != 0:
+        raise CriuError(f"`{criu} check` failed (exit {cp.returncode}) on kernel {os.uname().release}: "
+                        f"{_tail(cp.stdout, 5)}; {PROVISION_HINT} (it builds CRIU {VERSION} with the "
+                        "kernel >= 6.16 fix)")
+    return f"{criu} (CRIU {version(criu)}), `criu check` passes"
+
+
+def migratable_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as PID 1 of its own PID namespace and session leader.
+
+    ``unshare --fork`` keeps unshare as the namespace's parent outside it (its
+    exit status is the worker's); :func:`ns_init_pid` finds the worker's host
+    PID, the one to dump. Not ``--mount-proc`` (see the module docstring)."""
+    unshare = shutil.which("unshare", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+    setsid = shutil.which("setsid", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+    if not unshare or not setsid:
+        raise CriuError("unshare/setsid not found; install util-linux (apt-get install util-linux)")
+    return [unshare, "--pid", "--fork", setsid, *cmd]
+
+
+def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
+    """Host PID of the process that ``unshare --fork`` (PID ``outer_pid``) started as PID 1."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kids = Path(f"/proc/{outer_pid}/task/{outer_pid}/children").read_text().split()
+        except FileNotFoundError:
+            raise CriuError(f"unshare (PID {outer_pid}) exited before its worker started") from None
+        if kids:
+            return int(kids[0])
+        if time.monotonic() > deadline:
+            raise CriuError(f"unshare (PID {outer_pid}) started no worker within {timeout:g}s")
+        time.sleep(0.01)
+
+
+@dataclass
+class DumpResult:
+    images_dir: Path
+    seconds: float
+    image_bytes: int
+    manifest: Path
+
+
+def _common(tcp_established: bool, network_lock: str, shell_job: bool) -> list[str]:
+    args = []
+    if tcp_established:
+        # No iptables on these machines: the network lock must be nftables.
+        args += ["--tcp-established", "--network-lock", network_lock]
+    if shell_job:
+        args.append("--shell-job")
+    return args
+
+
+def _tail(text: str, n: int = 15) -> str:
+    # CRIU cannot raise its own RLIMIT_NOFILE in these containers and logs it as an
+    # Error although the dump goes on: leave it out so it is not taken for the cause.
+    lines = [ln for ln in text.splitlines() if ln.strip() and "Can't setup RLIMIT_NOFILE" not in ln]
+    return "\n".join(lines[-n:])
+
+
+def _hints(log: str) -> str:
+    """What to do about the CRIU failures seen on these machines."""
+    hints = []
+    if re.search(r"Can't get 1:(16|34) opt", log):
+        hints.append("this CRIU lacks the kernel >= 6.16 SO_PASSCRED/SO_PASSSEC fix: " + PROVISION_HINT)
+    if "Can't lookup mount" in log:
+        hints.append("the task has a mount namespace of its own (unshare --mount-proc?); start it with "
+                     "launcher.criu.migratable_command, which keeps the parent's")
+    if "nested pid namespace" in log:
+        hints.append("that PID is the parent of a PID namespace (unshare?); dump the namespace's PID 1 "
+                     "(launcher.criu.ns_init_pid)")
+    if re.search(r"has bad size|has changed size|Can't open file .* on restore", log):
+        hints.append("a file the process had open is missing or changed since the dump; copy it to "
+                     "the same path on this node (with the images)")
+    if re.search(r"Can't fork for|already (exists|in use)|clone3? .*File exists", log):
+        hints.append("a PID the images need is taken; run workers as PID 1 of their own PID namespace "
+                     "(launcher.criu.migratable_command)")
+    if "nft" in log and re.search(r"(?i)error", log) and "network-lock" in log:
+        hints.append("nftables network lock failed: needs nf_tables in the kernel and libnftables")
+    if "session leader" in log and "outside" in log:
+        hints.append("the task's session leader is outside the dumped tree: start it under setsid "
+                     "(launcher.criu.migratable_command does)")
+    elif "tty" in log.lower() and "shell-job" not in log:
+        hints.append("the task is attached to a terminal/session outside it: use setsid or shell_job=True")
+    return ("; what to do: " + "; ".join(hints)) if hints else ""
+
+
+def _fail(what: str, cp: subprocess.CompletedProcess, log_path: Path) -> CriuError:
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    return CriuError(f"{what} failed (exit {cp.returncode}); {log_path} ends:\n"
+                     f"{_tail(log) or _tail(cp.stdout) or '(empty)'}{_hints(log + cp.stdout)}")
+
+
+def dump(pid: int, images_dir: str | os.PathLike, *, leave_running: bool = False,
+         tcp_established: bool = True, network_lock: str = "nftables", shell_job: bool = False,
+         extra_args: Sequence[str] = (), criu: str | None = None, timeout: float | None = 300.0
+         ) -> DumpResult:
+    """``criu dump`` of the tree rooted at ``pid`` into ``images_dir`` (created, must be
+    empty), then the checksum manifest. Without ``leave_running`` the tree is killed."""
+    criu = criu or find_criu()
+    d = Path(images_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    if any(d.iterdir()):
+        raise CriuError(f"images dir {d} is not empty; dump into a fresh directory")
+    cmd = [criu, "dump", "-t", str(pid), "-D", str(d), "-o", DUMP_LOG,
+           *_common(tcp_established, network_lock, shell_job), *extra_args]
+    if leave_running:
+        cmd.append("--leave-running")
+    t0 = time.monotonic()
+    cp = _run(cmd, timeout)
+    secs = time.monotonic() - t0
+    if cp.returncode != 0:
+        raise _fail(f"criu dump of PID {pid} into {d}", cp, d / DUMP_LOG)
+    manifest = write_manifest(d, extra={"pid": pid, "criu": version(criu), "dump_seconds": round(secs, 4)})
+    size = sum(f["size"] for f in json.loads(manifest.read_text())["files"].values())
+    return DumpResult(d, secs, size, manifest)
+
+
+def _sha256(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _image_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name not in _NOT_IMAGES)
+
+
+def write_manifest(images_dir: str | os.PathLike, extra: dict | None = None) -> Path:
+    """sha256 + size of every image file into ``jitckpt-manifest.json``, atomically
+    (temp file, fsync, rename): a half-written manifest never passes for a whole one."""
+    d = Path(images_dir)
+    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in _image_files(d)}
+    body = json.dumps({"format": 1, **(extra or {}), "files": files}, indent=1, sort_keys=True)
+    tmp = d / ".manifest.tmp"
+    with open(tmp, "w") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, d / MANIFEST)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return d / MANIFEST
+
+
+def verify(images_dir: str | os.PathLike) -> dict:
+    """Check every image file against the manifest; return the manifest or raise
+    ImageCorrupt naming each bad file."""
+    d = Path(images_dir)
+    mpath = d / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise ImageCorrupt(f"{mpath} missing: not a jitckpt CRIU dump, or the dump did not finish; "
+                           "dump again") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ImageCorrupt(f"{mpath} unreadable ({e}); the images cannot be trusted, dump again") from None
+    bad = []
+    for name, want in sorted(files.items()):
+        p = d / name
+        if not p.is_file():
+            bad.append(f"{name}: missing")
+        elif p.stat().st_size != want["size"]:
+            bad.append(f"{name}: size {p.stat().st_size}, manifest says {want['size']}")
+        elif _sha256(p) != want["sha256"]:
+            bad.append(f"{name}: sha256 differs from the manifest")
+    extra = [p.name for p in _image_files(d) if p.name not in files]
+    bad += [f"{n}: not in the manifest" for n in extra]
+    if bad:
+        raise ImageCorrupt(f"CRIU images in {d} are corrupt, refusing to restore: " + "; ".join(bad[:8])
+                           + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")
+                           + "; copy them again from the source node or dump again")
+    if not files:
+        raise ImageCorrupt(f"{mpath} lists no image files; dump again")
+    return manifest
+
+
+def restore(images_dir: str | os.PathLike, *, tcp_established: bool = True, network_lock: str = "nftables",
+            shell_job: bool = False, verify_first: bool = True, extra_args: Sequence[str] = (),
+            criu: str | None = None, timeout: float | None = 300.0) -> int:
+    """``criu restore --restore-detached`` of ``images_dir``; return the restored root's
+    host PID. Its parent becomes the nearest child subreaper (or init): a caller that
+    wants to wait for it sets PR_SET_CHILD_SUBREAPER first."""
+    criu = criu or find_criu()
+    d = Path(images_dir)
+    if verify_first:
+        verify(d)
+    (d / RESTORE_LOG).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="jitckpt-restore-") as tmp:
+        pidfile = Path(tmp) / "pid"
+        cmd = [criu, "restore", "-D", str(d), "-o", RESTORE_LOG, "--restore-detached",
+               "--pidfile", str(pidfile), *_common(tcp_established, network_lock, shell_job), *extra_args]
+        cp = _run(cmd, timeout)
+        if cp.returncode != 0:
+            raise _fail(f"criu restore of {d}", cp, d / RESTORE_LOG)
+        try:
+            return int(pidfile.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise CriuError(f"criu restore of {d} succeeded but wrote no PID ({e})") from None
