@@ -17,7 +17,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 # jitrun and the tests' subprocesses find the venv's tools first
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: all setup build test test-fast test-asan lint demo bench clean
+.PHONY: all setup build test test-fast test-asan lint demo bench stress clean
 all: build
 
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
@@ -63,6 +63,10 @@ demo: build
 bench: build
 	$(PY) scripts/bench_overhead.py
 	$(PY) scripts/bench_recovery.py
+
+# 300 warm restarts with faults in every phase and at exit (the short form runs in make test)
+stress: build
+	$(PY) scripts/stress_warm.py --jobs 10 --restarts 31
 
 clean:
 	rm -rf build demo_runs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 from . import config, layout
@@ -100,6 +101,8 @@ def get_checkpoint_path() -> str | None:
     """Directory of the newest complete replica checkpoint for this rank's
     shard, verified against its manifest checksums, or None."""
     rt = _get_runtime()
+    if rt.query_t is None:
+        rt.query_t = time.time()
     rt.loaded = FRESH  # asked; replaced by the step below when one is found
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():

@@ -8,8 +8,10 @@ Format: one or more specs separated by ``;``, each a comma list of key=value::
 keys:
   rank     global rank that fails (required)
   step     minibatch index (0-based global step) at which it fires; not used
-           for phase=save (fires on that rank's first JIT save). Default 0.
-  phase    forward | backward | allreduce | optimizer | save | restore
+           for phase=save (fires on that rank's first JIT save) nor
+           phase=exit (fires when the script has returned and the rank
+           reported it finished, as the process ends). Default 0.
+  phase    forward | backward | allreduce | optimizer | save | restore | exit
   kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
            hang | exit | stale
            (signals are sent by the rank to itself; abort = os.abort();
@@ -33,7 +35,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore", "exit")
 KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "exit", "stale")
 EXIT_INJECTED = 13
 
@@ -121,7 +123,7 @@ class Injector:
 
     def armed(self, phase: str, step: int) -> Fault | None:
         for f in self.pending:
-            if not f.fired and f.phase == phase and (phase in ("save", "restore") or f.step == step):
+            if not f.fired and f.phase == phase and (phase in ("save", "restore", "exit") or f.step == step):
                 return f
         return None
 

@@ -172,6 +172,40 @@ def claim_root(root: Path, job_id: str) -> None:
     )
 
 
+FINISHED_FILE = "FINISHED.json"
+
+
+def mark_finished(root: Path) -> None:
+    """The job ended with exit 0: its checkpoints describe a finished run,
+    and running the same command again starts a new one (``retire_finished``)."""
+    atomic_write_bytes(root / FINISHED_FILE, json.dumps({"finished": time.time()}).encode())
+
+
+def finished_at(root: Path) -> float | None:
+    """When the previous run in ``root`` finished, or None."""
+    try:
+        return float(json.loads((root / FINISHED_FILE).read_text())["finished"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def retire_finished(root: Path) -> Path:
+    """Move a finished run's checkpoints out of the way (never deleted) so a
+    new run of the same job starts fresh: ``<root>/previous/finished-<time>/``."""
+    when = finished_at(root) or time.time()
+    dest = root / "previous" / time.strftime("finished-%Y%m%d-%H%M%S", time.gmtime(when))
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    makedirs_private(dest)
+    if (root / "ckpt").exists():
+        os.rename(root / "ckpt", dest / "ckpt")
+    os.rename(root / FINISHED_FILE, dest / FINISHED_FILE)
+    _fsync_dir(root)
+    return dest
+
+
 def read_job_id(root: Path) -> str | None:
     try:
         return json.loads((root / JOB_FILE).read_text())["job_id"]

@@ -37,7 +37,7 @@ class Reporter:
     """Worker side. Thread-safe enough: TCPStore client calls are serialized by
     the store client itself; we only ever add() then set()."""
 
-    def __init__(self, store, token: str, rank: int) -> None:
+    def __init__(self, store, token: str, rank: int | None) -> None:
         self._store = store
         self._ns = namespace(token)
         self._rank = rank
@@ -49,6 +49,7 @@ class Reporter:
 
 
 SLOT_GRACE_S = 2.0
+WAKE = "_wake"  # a launcher-internal record (see jitrun.wakeup); readers skip it
 
 
 class ReportReader:
@@ -74,7 +75,9 @@ class ReportReader:
                 if now - self._waiting_since < SLOT_GRACE_S:
                     break
             else:
-                out.append(json.loads(self._store.get(key)))
+                msg = json.loads(self._store.get(key))
+                if msg.get("event") != WAKE:
+                    out.append(msg)
             self._waiting_since = None
             self._next += 1
         return out

@@ -79,6 +79,20 @@ def is_collective_error(exc: BaseException) -> bool:
                                   "Timed out waiting", "Application timeout caused pair closure"))
 
 
+def _process_start_time() -> float | None:
+    """When this process was created (unix seconds, 10 ms resolution): for a
+    forked warm worker the fork, for a fresh one the exec, before Python's own
+    start-up."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        # /proc/stat's btime has 1 s resolution; the boot clock does not
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Runtime:
     def __init__(self, cfg: _config.WorkerConfig) -> None:
         self.cfg = cfg
@@ -102,7 +116,13 @@ class Runtime:
         self.on_training_start: Callable[[], None] | None = None
         # libintercept's replay log is cleared here when the shim is loaded
         self.on_minibatch_begin: Callable[[], None] | None = None
+        # resume.resumable(): snapshot (and after a restart, restore) RNG, counters and data
+        # position at each minibatch start, before a deferred save that needs the snapshot
+        self.on_minibatch_start: Callable[[], None] | None = None
+        # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
+        self.on_snapshot: Callable[[], None] | None = None
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
+        self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)
         self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
                                          announce=self._announce_fault)
@@ -115,7 +135,8 @@ class Runtime:
         from .report import Reporter, connect
 
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
-        self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt)
+        self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
+                    proc_start_t=_process_start_time())
 
     def report(self, event: str, **fields) -> None:
         if self.reporter is None:
@@ -140,8 +161,9 @@ class Runtime:
             self.report("state_divergence", loaded={str(k): v for k, v in e.loaded.items()}, error=str(e))
             print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
             os._exit(_config.EXIT_DIVERGED)
-        if self.loaded is not None:
-            self.report("loaded", loaded=self.loaded, ranks_asked=sum(v is not None for v in loaded.values()))
+        # also when nothing was asked: the recovery timeline's "training started"
+        self.report("loaded", loaded=self.loaded, ranks_asked=sum(v is not None for v in loaded.values()),
+                    query_t=self.query_t)
 
     def minibatch_s(self) -> float | None:
         return statistics.median(self._step_times) if self._step_times else None
@@ -159,6 +181,10 @@ class Runtime:
     def on_forward(self) -> None:
         if self.phase is Phase.INIT:
             self._training_started()
+        if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
+            self.on_minibatch_start()
+        if self.on_snapshot is not None and self.phase is Phase.POST:
+            self.on_snapshot()
         if self.deferred is not None:
             self._save_deferred()
         if self.phase is not Phase.FWD:
@@ -169,6 +195,10 @@ class Runtime:
     def on_backward(self, tensors) -> None:
         if self.phase is Phase.INIT:
             self._training_started()
+        if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
+            self.on_minibatch_start()
+        if self.on_snapshot is not None and self.phase is Phase.POST:
+            self.on_snapshot()
         if self.deferred is not None:
             self._save_deferred()
         with self._lock:
@@ -204,6 +234,10 @@ class Runtime:
         # it is not (a barrier after the training loop): such a save is marked
         # so that it is only restored when save_fn labelled its state with
         # checkpoint_step() (see _jit_save).
+        if self.on_minibatch_start is not None and self.phase is Phase.POST:
+            self.on_minibatch_start()
+        if self.on_snapshot is not None and self.phase is Phase.POST:
+            self.on_snapshot()
         if self.deferred is not None:
             self._save_deferred(post_step=self.phase is Phase.POST)
         if self.phase is Phase.POST:

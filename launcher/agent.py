@@ -44,6 +44,7 @@ from jitckpt.report import ReportReader, connect
 
 from . import decide, rdzv, scheduler, transfer
 from .events import EventLog
+from .wakeup import Wakeup
 
 
 @dataclass
@@ -109,6 +110,8 @@ class _Failure:
         self.restore_step: int | None = None
         self.restart_t: float | None = None
         self.ckpt_done_t: float | None = None
+        self.stopped_t: float | None = None  # every worker of this node gone
+        self.rdzv_t: float | None = None  # the next round's rendezvous done
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
 
@@ -140,6 +143,18 @@ class JitAgent(LocalElasticAgent):
         # sign of life, the failure time when no injector stamped it
         self._life: dict[int, tuple[int, float]] = {}
         self._loaded: dict[int, object] = {}  # rank -> step it loaded, this round (reports)
+        # this round's start-up milestones per rank (reports): process created,
+        # get_checkpoint_path() asked, first training step entered
+        self._boot: dict[int, float] = {}
+        self._query: dict[int, float] = {}
+        self._train: dict[int, float] = {}
+        # torchrun sleeps monitor_interval between looks; we block in
+        # _monitor_workers until an exit or a report instead (Wakeup), with
+        # the interval as the longest wait
+        spec = self._worker_group.spec
+        self._monitor_s = spec.monitor_interval
+        spec.monitor_interval = 1e-6
+        self._wakeup = Wakeup()
         handler = self._worker_group.spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
@@ -152,6 +167,7 @@ class JitAgent(LocalElasticAgent):
             self._reader = ReportReader(connect(*addr), self._jit.token,
                                         from_now=self._reader is None and self._round > 0)
             self._store_addr = addr
+            self._wakeup.watch(addr, self._jit.token)
         msgs = self._reader.poll()
         if absorb:
             for m in msgs:
@@ -165,12 +181,19 @@ class JitAgent(LocalElasticAgent):
             return
         if ev == "finished":
             self._finished.add(rank)
+            if m.get("loaded") is not None and self._loaded.get(rank) is None:
+                self._loaded[rank] = m["loaded"]
             if self._pending is not None:
                 # restored after the last minibatch (e.g. a save at a barrier
                 # after the loop): the job ends without another minibatch
                 self._on_resumed(m)
         if ev == "loaded":
             self._loaded[rank] = m.get("loaded")
+            self._train[rank] = m["t"]
+            if m.get("query_t"):
+                self._query[rank] = m["query_t"]
+        if ev == "started":
+            self._boot[rank] = m.get("proc_start_t") or m["t"]
         # every node reads every rank's reports (the job's decisions need
         # them) but writes only its own ranks' to its timeline
         local = rank is None or rank in self._local_ranks
@@ -217,8 +240,10 @@ class JitAgent(LocalElasticAgent):
         # whose own restart count starts at 0
         os.environ["JITCKPT_ATTEMPT"] = str(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
-        self._loaded.clear()
-        self._life.clear()
+        for d in (self._loaded, self._life, self._boot, self._query, self._train):
+            d.clear()
+        if self._pending is not None:
+            self._pending.rdzv_t = time.time()
         store = rdzv.coordination_store(handler)
         if store is not None:
             if self._coord is None:
@@ -271,6 +296,7 @@ class JitAgent(LocalElasticAgent):
     def close(self) -> bool:
         """End the replica server thread before the interpreter exits; False
         if it would not stop (the caller then leaves with os._exit)."""
+        self._wakeup.close()
         if self._server is None or self._coord is None:
             return True
         return self._server.stop(self._coord.store)
@@ -299,12 +325,16 @@ class JitAgent(LocalElasticAgent):
         its ProcessContext.join(-1) answers any failure by terminating every
         other worker and waiting for them, which would hang on a stopped rank
         and race our JIT saves. A forked worker returns its value through a
-        queue and then waits until the parent has read them all."""
+        queue and then waits until the parent has read them all; a worker
+        started through jitckpt's bootstrap ends with os._exit(0) before that
+        (see jitckpt._bootstrap), so exit code 0 counts as done."""
         pc = self._pcontext
         for lr in range(pc.nprocs):  # type: ignore[union-attr]
             q = pc._ret_vals[lr]  # type: ignore[union-attr]
             if lr not in pc._return_values and not q.empty():  # type: ignore[union-attr]
                 pc._return_values[lr] = q.get()  # type: ignore[union-attr]
+            elif lr not in pc._return_values and pc._pc.processes[lr].exitcode == 0:  # type: ignore[union-attr]
+                pc._return_values[lr] = None  # type: ignore[union-attr]
         if not pc._is_done():  # type: ignore[union-attr]
             return RunResult(state=WorkerState.HEALTHY)
         pc._worker_finished_event.set()  # type: ignore[union-attr]
@@ -333,8 +363,9 @@ class JitAgent(LocalElasticAgent):
                 self._life[r] = (ticks, now)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        msgs = self._poll(worker_group, absorb=False)
         procs = self._procs(worker_group)
+        self._wakeup.wait([p.pid for p in procs.values() if p.poll() is None], self._monitor_s)
+        msgs = self._poll(worker_group, absorb=False)
         self._track_life(procs)
         codes = {r: p.poll() for r, p in procs.items()}
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
@@ -415,13 +446,16 @@ class JitAgent(LocalElasticAgent):
                 break  # no complete checkpoint will come; fall back to an older one
             if time.monotonic() > deadline:
                 break
-            time.sleep(0.02)
+            self._wakeup.wait([handlers[r].pid for r in alive], 0.1)
             self._poll(wg)
         # savers that published are exiting on their own; the rest (stopped,
         # hung, still saving an unneeded replica) are killed now
         exit_by = time.monotonic() + 2.0
-        while any(handlers[r].poll() is None for r in f.saved if r in handlers) and time.monotonic() < exit_by:
-            time.sleep(0.01)
+        while time.monotonic() < exit_by:
+            savers = [handlers[r].pid for r in f.saved if r in handlers and handlers[r].poll() is None]
+            if not savers:
+                break
+            self._wakeup.wait(savers, exit_by - time.monotonic())
         for r, h in handlers.items():
             if h.poll() is None:
                 f.killed.append(r)
@@ -433,9 +467,10 @@ class JitAgent(LocalElasticAgent):
             self._events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
         for h in handlers.values():
             h.wait()
+        f.stopped_t = time.time()
         self._poll(wg)
         if f.ckpt_done_t is None and f.saved:
-            f.ckpt_done_t = time.time()
+            f.ckpt_done_t = f.stopped_t
         if f.diverged:
             self._remaining_restarts = 0
             self._events.emit("job_abort", why="ranks loaded different checkpoint steps")
@@ -455,12 +490,17 @@ class JitAgent(LocalElasticAgent):
                              return_values={r: None for r in handlers})
         failures = {}
         local_of = {w.global_rank: w.local_rank for w in wg.workers}
-        for r, h in handlers.items():
-            code = h.poll()
-            if code != 0:
-                lr = local_of[r]
-                failures[r] = ProcessFailure(local_rank=lr, pid=h.pid, exitcode=code,
-                                             error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
+        # the report torchrun prints when restarts run out names the first
+        # failure as root cause: the ranks that failed, earliest last sign of
+        # life first, not the healthy ones that saved (exit 75)
+        codes = {r: h.poll() for r, h in handlers.items()}
+        culprits = [r for r, c in codes.items() if c not in (0, EXIT_SAVED)] or \
+            [r for r, c in codes.items() if c != 0]
+        culprits.sort(key=lambda r: self._life.get(r, (0, float("inf")))[1])
+        for r in culprits:
+            lr = local_of[r]
+            failures[r] = ProcessFailure(local_rank=lr, pid=handlers[r].pid, exitcode=codes[r],
+                                         error_file=self._pcontext.error_files[lr])  # type: ignore[union-attr]
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _done_ranks(self) -> set[int]:
@@ -509,11 +549,16 @@ class JitAgent(LocalElasticAgent):
             if step is not None and any(src.get("saved_at", 0.0) >= f.detected_t - 1.0
                                         for srcs in d.sources.values() for src in srcs):
                 jit_steps.add(step)
-        if step is None or step not in jit_steps:
+        if step is None and not self._shards:
+            # drop-in: the script restarts as it would under torchrun, on its own checkpoints if it has any
+            self._events.emit("no_jit_checkpoint", fallback_step=None, why="no save_fn registered")
+            print("jitrun: no rank registered a save_fn (jitckpt.register): restarting the script, which resumes "
+                  "from its own checkpoints if it keeps any", flush=True)
+        elif step is None or step not in jit_steps:
             self._events.emit("no_jit_checkpoint", fallback_step=step,
                               why="no shard-complete checkpoint from this failure")
             print(f"jitrun: no complete JIT checkpoint for every shard after this failure; "
-                  f"{'falling back to step ' + str(step) if step is not None else 'restarting from scratch'}",
+                  f"{'falling back to step ' + str(step) if step is not None else 'the workers restart without one'}",
                   flush=True)
         f.restore_step = step
         os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
@@ -620,15 +665,18 @@ class JitAgent(LocalElasticAgent):
         failure_t = f.fault_t if f.fault_t is not None else f.detected_t
         # what the ranks actually loaded, not the plan
         loaded = {v for v in self._loaded.values() if v is not None}
+        restore: int | None
         if len(loaded) == 1:
             got = next(iter(loaded))
             restore = got if isinstance(got, int) else 0  # "fresh": from the start
         else:
-            restore = f.restore_step if f.restore_step is not None else 0
+            # no rank asked get_checkpoint_path(): the script restored on its
+            # own (or not at all); what it redid is not known here
+            restore = None
         rec = {
             "failure_t": failure_t,
             "detection_s": round(f.detected_t - failure_t, 3),
-            "checkpoint_s": round((f.ckpt_done_t or f.restart_t) - f.detected_t, 3),
+            "checkpoint_s": round(f.ckpt_done_t - f.detected_t, 3) if f.ckpt_done_t is not None else None,
             "restart_to_resumed_s": round(m["t"] - f.restart_t, 3),
             "failure_to_resumed_s": round(m["t"] - failure_t, 3),
             "restore_step": restore,
@@ -636,7 +684,33 @@ class JitAgent(LocalElasticAgent):
             # the minibatch in progress at the failure (index f.progress) and
             # every one after the restore step up to it are done again
             # (unknown when no rank reported its step before it stopped)
-            "redone_minibatches": max(f.progress + 1 - restore, 0) if f.progress >= 0 else None,
+            "redone_minibatches": (max(f.progress + 1 - restore, 0)
+                                   if f.progress >= 0 and restore is not None else None),
             "minibatch_s": statistics.median(f.minibatch_s) if f.minibatch_s else None,
+            "stages": self._stages(f, failure_t, m["t"]),
         }
         self._events.emit("recovery", **rec)
+
+    def _stages(self, f: _Failure, failure_t: float, resumed_t: float) -> dict[str, float]:
+        """Where the time between the failure and the first minibatch
+        finished after the restart went, stage by stage; consecutive, so they
+        add up to failure_to_resumed_s. A worker milestone is the slowest
+        rank's: the job moves at the pace of its last rank."""
+        def last(d: dict[int, float]) -> float | None:
+            return max(d.values()) if d else None
+
+        query, train = last(self._query), last(self._train)
+        if query is None:  # a script that never asked for a checkpoint: all of it is its start-up
+            query, train = train, None
+        marks = [("detection", f.detected_t), ("checkpoint", f.ckpt_done_t), ("stop", f.stopped_t),
+                 ("decision", f.restart_t), ("rendezvous", f.rdzv_t), ("process_start", last(self._boot)),
+                 ("import_and_init", query), ("checkpoint_load", train),
+                 ("first_minibatch", resumed_t)]
+        out: dict[str, float] = {}
+        prev = failure_t
+        for name, t in marks:
+            if t is None:
+                continue  # e.g. no checkpoint was taken, or the script never asked for one
+            out[name] = round(max(t - prev, 0.0), 3)
+            prev = max(prev, t)
+        return out

@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -41,7 +42,9 @@ commands:
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
 and the timeline events.jsonl. Re-running the same command (or with the same
---rdzv-id) resumes from it; another job pointed at it is refused. Workers get
+--rdzv-id) resumes from it, unless that run finished (exit 0): then the job
+starts fresh and says so (--jit-resume continues instead); another job pointed
+at it is refused. Workers get
 JITCKPT_DIR, JITCKPT_JOB_ID, JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a
 failure, JITCKPT_RESTORE_STEP in their environment."""
 
@@ -77,10 +80,13 @@ def _parser():
                    help="scheduler hook: 'local' or 'exec:/path/to/program' (JSON in, JSON out)")
     g.add_argument("--jit-intercept", choices=("auto", "on", "off"), default="auto",
                    help="LD_PRELOAD libjitintercept into workers: auto = when CUDA devices are visible")
-    g.add_argument("--jit-warm-start", choices=("on", "off"), default="off",
-                   help="experimental: fork workers from a server with torch already imported, so a "
-                        "restart does not pay for Python and torch start-up (default off: `python -u` "
-                        "processes like torchrun; never with --no-python, --run-path or libintercept)")
+    g.add_argument("--jit-resume", action="store_true",
+                   help="continue from the checkpoints of a run of this job that already finished (exit 0); "
+                        "by default such a run's checkpoints are moved aside and the job starts fresh")
+    g.add_argument("--jit-warm-start", choices=("on", "off"), default="on",
+                   help="fork workers from a server that has torch imported, so a restart does not pay for "
+                        "Python and torch start-up (default on; off: fresh `python -u` processes like "
+                        "torchrun; never with --no-python, --run-path or libintercept)")
     return p
 
 
@@ -224,6 +230,16 @@ def run(args) -> int:
     except layout.CheckpointDirError as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
+    done = layout.finished_at(root)
+    if done is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(done))
+        if args.jit_resume:
+            print(f"jitrun: the previous run of this job finished at {when}; resuming from its checkpoints "
+                  "(--jit-resume)", flush=True)
+        else:
+            moved = layout.retire_finished(root)
+            print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
+                  f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
     timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
     user_token = os.environ.get("JITCKPT_TOKEN")
     token = user_token or secrets.token_hex(16)

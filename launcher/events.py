@@ -6,7 +6,9 @@ failure_detected, worker_exit, save_started, checkpoint_saved,
 checkpoint_failed, checkpoint_skipped, ranks_killed, no_jit_checkpoint,
 restart, job_abort, resumed, recovery (the per-failure summary: detection_s,
 checkpoint_s, restart_to_resumed_s, failure_to_resumed_s, restore_step,
-progress_step, redone_minibatches, minibatch_s), job_end; and for the
+progress_step, redone_minibatches, minibatch_s, and ``stages``: detection,
+checkpoint, stop, decision, rendezvous, process_start, import_and_init,
+checkpoint_load, first_minibatch seconds, consecutive), job_end; and for the
 job-wide path: rendezvous (round, group rank, this node's ranks),
 restore_decision (the job's step, the nodes holding it, lost nodes),
 replica_fetched / replica_fetch_failed (peer transfer), loaded (the step a
@@ -60,13 +62,18 @@ def summary(events: list[dict]) -> str:
             lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")
     for e in events:
         if e["event"] == "recovery":
+            def s(k: str, e: dict = e) -> str:
+                return "-" if e.get(k) is None else f"{e[k]:.2f}s"
+
             lines.append(
-                f"  recovery: failure->resumed {e['failure_to_resumed_s']:.2f}s "
-                f"(detect {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
-                f"restart->resumed {e['restart_to_resumed_s']:.2f}s), resumed at step "
-                f"{e['restore_step']}, redone minibatches "
-                f"{'unknown' if e['redone_minibatches'] is None else e['redone_minibatches']}"
+                f"  recovery: failure->resumed {s('failure_to_resumed_s')} "
+                f"(detect {s('detection_s')}, checkpoint {s('checkpoint_s')}, "
+                f"restart->resumed {s('restart_to_resumed_s')}), resumed at step "
+                f"{'unknown' if e.get('restore_step') is None else e['restore_step']}, redone minibatches "
+                f"{'unknown' if e.get('redone_minibatches') is None else e['redone_minibatches']}"
             )
+            if e.get("stages"):
+                lines.append("    " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}s" for k, v in e["stages"].items()))
     return "jitrun timeline:\n" + "\n".join(lines) if lines else "jitrun: no failures"
 
 

@@ -16,6 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
+from jitckpt import layout
+
 from . import rdzv
 from .agent import JitAgent, JitOptions
 from .events import EventLog, summary
@@ -88,7 +90,10 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
             if stop is not None:
                 stop()
         events.emit("job_end", exitcode=code)
+        if code == 0:
+            layout.mark_finished(root)
         print(summary(events.events), flush=True)
+        print(f"jitrun: timeline in {events.path}", flush=True)
     if not stopped:
         # a thread still inside a store call would abort the interpreter's exit
         sys.stderr.flush()

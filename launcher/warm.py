@@ -13,12 +13,14 @@ MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) plus jitrun's, applied before
 ``worker_main`` runs; everything else is the server's environment, captured
 when the job started.
 
-Experimental (``--jit-warm-start on``): in about one run in ten a forked
-worker deadlocks when its script returns. Dropping the DDP reducer destroys
-ProcessGroupGloo while holding the GIL; the destructor joins a gloo run-loop
-thread that is releasing a finished work item whose thread-local state holds
-a Python object (a torch-function-mode stack entry), which needs the GIL.
-Fresh processes have not shown it.
+The default (``--jit-warm-start off`` gives fresh ``python -u`` processes).
+The server is a fresh interpreter started by multiprocessing before any
+worker exists: it imports modules, never starts a thread of its own (tested)
+and never holds a process group, so a fork inherits no lock held by a thread
+that does not exist in the child. A forked worker ends in
+``jitckpt._bootstrap._exit`` (os._exit after flushing, no process-group
+destructor: see there for the deadlock that avoids), which the agent's
+``_mp_progress`` takes as done without a value on the return queue.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import multiprocessing
 import multiprocessing.forkserver
 import sys
 
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "jitckpt.hooks",
-           "jitckpt.runtime", "jitckpt.layout", "jitckpt.report"]
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "jitckpt._bootstrap",
+           "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.layout", "jitckpt.report",
+           "jitckpt.consistency"]
 
 
 def start_server() -> None:

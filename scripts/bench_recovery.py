@@ -116,6 +116,8 @@ class Result:
     recovery: dict | None = None  # jitrun's events.jsonl record
     spawn_s: float | None = None  # jitrun: restart -> every new worker process started (python + torch import)
     error: str | None = None
+    fault_kind: str = "sigkill"
+    start: str | None = None  # jitrun: warm | cold workers
 
     # derived, seconds
     def detect_s(self) -> float | None:
@@ -242,7 +244,7 @@ def _events(jit_dir: Path) -> list[dict]:
 
 
 def run_config(name: str, kind: str, args, work: Path, F: int | None, fault_kind: str = "sigkill",
-               interval: int | None = None, echo: bool = False) -> Result:
+               interval: int | None = None, echo: bool = False, start: str = "warm") -> Result:
     py = sys.executable
     d = work / name
     shutil.rmtree(d, ignore_errors=True)
@@ -257,13 +259,15 @@ def run_config(name: str, kind: str, args, work: Path, F: int | None, fault_kind
         env["JITCKPT_FAULT"] = fault
     if kind == "jit":
         cmd = [py, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
-               "--jit-timeout", str(args.jit_timeout), "--jit-dir", str(d / "jit"), *train]
+               "--jit-timeout", str(args.jit_timeout), "--jit-dir", str(d / "jit"),
+               "--jit-warm-start", "on" if start == "warm" else "off", *train]
     elif kind == "periodic":
         cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
                "-m", "jitckpt._bootstrap", *train, "--ckpt-every", str(interval), "--ckpt-dir", str(d / "ckpt")]
     else:
         cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *train]
-    res = Result(name=name, kind=kind, fault=fault, fault_step=F, interval=interval)
+    res = Result(name=name, kind=kind, fault=fault, fault_step=F, interval=interval, fault_kind=fault_kind,
+                 start=start if kind == "jit" else None)
     log = run_timestamped(cmd, env=env, timeout_s=args.timeout, cwd=str(d), echo=echo)
     save_log(d, res, log, {"steps": args.steps, "step_sleep": args.step_sleep, "seed": args.seed})
     return analyse(d, res, log)
@@ -274,6 +278,7 @@ def save_log(d: Path, res: Result, log: RunLog, run_args: dict) -> None:
     (d / "output.log").write_text("".join(f"{t:.6f} {line}\n" for t, line in log.lines))
     (d / "meta.json").write_text(json.dumps({
         "name": res.name, "kind": res.kind, "fault": res.fault, "fault_step": res.fault_step,
+        "fault_kind": res.fault_kind, "start": res.start,
         "interval": res.interval, "returncode": log.returncode, "timed_out": log.timed_out,
         "t_start": log.t_start, "t_end": log.t_end, "args": run_args}))
 
@@ -286,7 +291,7 @@ def load_run(d: Path) -> tuple[Result, RunLog]:
         t, _, line = raw.partition(" ")
         log.lines.append((float(t), line))
     res = Result(name=meta["name"], kind=meta["kind"], fault=meta["fault"], fault_step=meta["fault_step"],
-                 interval=meta["interval"])
+                 interval=meta["interval"], fault_kind=meta.get("fault_kind", "sigkill"), start=meta.get("start"))
     return res, log
 
 
@@ -350,6 +355,44 @@ def jit_records(results: list[Result], target_s: float) -> str:
                      f"restart->resumed {e['restart_to_resumed_s']:.2f}s, of which new workers up "
                      f"{_f(r.spawn_s)}s) redone {e['redone_minibatches']} "
                      f"[{ok}: < {target_s:.0f}s]")
+    return "\n".join(lines)
+
+
+STAGES = ("detection", "checkpoint", "stop", "decision", "rendezvous", "process_start", "import_and_init",
+          "checkpoint_load", "first_minibatch")
+
+
+def split_table(results: list[Result]) -> str:
+    """Per jitrun run: where failure->resumed went (the recovery record's
+    stages); then per fault kind the median of warm and cold starts against
+    torchrun + periodic checkpoints with the same fault (fault -> first
+    minibatch done after the restart, both)."""
+    head = "| run | " + " | ".join(s.replace("_", " ") for s in STAGES) + " | fail->resumed s |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        if r.kind != "jit" or r.recovery is None:
+            continue
+        st = r.recovery.get("stages") or {}
+        rows.append(f"| {r.name} | " + " | ".join(_f(st.get(k)) for k in STAGES)
+                    + f" | {_f(r.recovery['failure_to_resumed_s'])} |")
+    lines = ["\n".join(rows), "", "median fault -> first minibatch done after the restart (s):"]
+    for fk in dict.fromkeys(r.fault_kind for r in results):
+        def med(xs: list[float | None]) -> float | None:
+            xs = [x for x in xs if x is not None]
+            return statistics.median(xs) if xs else None
+
+        per = {st: med([r.recovery["failure_to_resumed_s"] for r in results if r.kind == "jit"
+                        and r.start == st and r.fault_kind == fk and r.recovery and not r.error])
+               for st in ("warm", "cold")}
+        periodic = med([r.fail_to_resumed_s() for r in results
+                        if r.kind == "periodic" and r.fault_kind == fk and not r.error])
+        parts = [f"jitrun warm {_f(per['warm'])} (n={sum(r.start == 'warm' and r.fault_kind == fk for r in results)})",
+                 f"jitrun cold {_f(per['cold'])}"]
+        if periodic is not None:
+            parts.append(f"torchrun + periodic {_f(periodic)}")
+            if per["warm"]:
+                parts.append(f"warm / periodic = {per['warm'] / periodic:.2f}")
+        lines.append(f"  {fk:<10} " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -439,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each jitrun configuration")
     ap.add_argument("--jit-timeout", type=float, default=5.0)
     ap.add_argument("--no-stop", action="store_true", help="skip the jitrun SIGSTOP runs")
+    ap.add_argument("--kinds", default="sigkill,exit,exception,sigstop",
+                    help="fault kinds of the jitrun runs (sigstop: not under torchrun, nothing detects it)")
+    ap.add_argument("--starts", default="warm,cold", help="jitrun worker starts to measure: warm, cold or both")
     ap.add_argument("--plot", default=None,
                     help="plot file (default build/bench/recovery.png; '' = no plot)")
     ap.add_argument("--json", default=None,
@@ -492,13 +538,20 @@ def main(argv: list[str] | None = None) -> int:
             if ref.error:
                 print(f"reference run failed: {ref.error}", file=sys.stderr)
                 return 1
+            kinds = [k for k in args.kinds.split(",") if k and not (args.no_stop and k == "sigstop")]
             for k in intervals:
                 results.append(go(f"ckpt-{k}", "periodic", F=F, interval=k))
+            for fk in kinds:
+                if fk not in ("sigkill", "sigstop") and intervals:  # the same faults under torchrun
+                    results.append(go(f"ckpt-{intervals[0]}-{fk}", "periodic", F=F, interval=intervals[0],
+                                      fault_kind=fk))
+            short = {"sigkill": "kill", "sigstop": "stop", "exception": "raise"}
+            # interleaved, so slow phases of a shared machine hit every configuration
             for i in range(args.repeats):
-                results.append(go(f"jit-kill{i + 1}", "jit", F=F, fault_kind="sigkill"))
-            if not args.no_stop:
-                for i in range(args.repeats):
-                    results.append(go(f"jit-stop{i + 1}", "jit", F=F, fault_kind="sigstop"))
+                for start in [s for s in args.starts.split(",") if s]:
+                    for fk in kinds:
+                        results.append(go(f"jit-{start}-{short.get(fk, fk)}{i + 1}", "jit", F=F, fault_kind=fk,
+                                          start=start))
         for r in results:
             if r.error is None:
                 compare(r, work / "ref" / "final.pt", work)
@@ -516,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
               f"on the jitrun runs: fault - estimate = {min(errs) * 1e3:.0f}..{max(errs) * 1e3:.0f} ms")
     print("\njitrun recovery records (events.jsonl):")
     print(jit_records(results, 10.0))
+    print("\nwhere the time of each jitrun recovery went (events.jsonl 'stages', seconds):\n")
+    print(split_table(results))
     print("plain torchrun with a stopped (SIGSTOP) rank: not run; nothing detects it before gloo's "
           "30-minute default timeout.")
     print("noise: shared 2-core machine (other test runs compete), so step times and the overhead column "

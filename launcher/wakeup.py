@@ -1,0 +1,151 @@
+"""Wake the agent when something happens, instead of polling on a period.
+
+torchrun's agent sleeps ``--monitor-interval`` between looks at its workers;
+every event on the failure path (a worker exit, a worker's report) then waits
+up to that long to be seen, and jitrun's failure handling looked again every
+20 ms. ``Wakeup.wait`` blocks until a worker process ends (a pidfd per
+process becomes readable) or a worker reports (a thread blocked in the
+store's ``wait`` on the next report slot writes to a pipe), or the timeout
+passes. The timeout remains for what has no event: sampling the workers' CPU
+time (a hung or stopped process's last sign of life) and noticing a process
+that is stopped.
+
+Threads: the agent's main thread calls ``wait``/``watch``/``close``; the
+``jitrun-report-waiter`` thread only blocks on its own store connection and
+writes one byte to the pipe. Shared state: ``_stop`` (an Event) and the pipe;
+no locks. The waiter's store wait has no short timeout (each expiry logs a
+C++ warning); to end it, the main thread sets ``_stop`` and writes a
+``_wake`` report through the ordinary protocol (a claimed slot, which every
+reader skips), so the waiter returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from datetime import timedelta
+
+from jitckpt.report import WAKE, namespace
+
+# a slot not set after this long is skipped when later ones exist (its writer
+# died between its two calls); anything else wakes the waiter at once
+WAIT_S = 30.0
+
+
+class Wakeup:
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._pidfds: dict[int, int] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._watching: tuple[str, int] | None = None
+        self._token: str | None = None
+
+    # -- reports ------------------------------------------------------------
+
+    def watch(self, store_addr: tuple[str, int], token: str) -> None:
+        """Wake on every report written to the workers' store at
+        ``store_addr`` from now on (a new address replaces the old watch)."""
+        if store_addr == self._watching:
+            return
+        self._stop_thread()
+        self._watching, self._token = store_addr, token
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store_addr, token, self._stop),
+                                        name="jitrun-report-waiter", daemon=True)
+        self._thread.start()
+
+    def _run(self, addr: tuple[str, int], token: str, stop: threading.Event) -> None:
+        from jitckpt.report import connect
+
+        ns = namespace(token)
+        try:
+            store = connect(*addr)
+            nxt = store.add(f"{ns}/n", 0) + 1
+        except Exception:
+            return  # the store is gone (job ending); the timeout path still works
+        while not stop.is_set():
+            try:
+                # the slot is set once its writer finished the report
+                store.wait([f"{ns}/r/{nxt}"], timedelta(seconds=WAIT_S))
+            except Exception:
+                if stop.is_set():
+                    return
+                try:
+                    # a slot whose writer died between add and set stays
+                    # empty; go past it when later slots exist (the reader
+                    # skips it too)
+                    if store.add(f"{ns}/n", 0) > nxt:
+                        nxt += 1
+                except Exception:
+                    return  # the store is gone
+                continue
+            nxt += 1
+            self._signal()
+
+    def _signal(self) -> None:
+        try:
+            os.write(self._w, b"r")
+        except BlockingIOError:
+            pass  # a wakeup is already pending
+
+    # -- waiting ------------------------------------------------------------
+
+    def wait(self, pids: list[int], timeout_s: float) -> None:
+        """Return when a process of ``pids`` has ended, a report arrived, or
+        ``timeout_s`` passed."""
+        fds = [self._r]
+        for pid in pids:
+            fd = self._pidfd(pid)
+            if fd is None:
+                return  # already reaped: something to look at now
+            fds.append(fd)
+        for pid in set(self._pidfds) - set(pids):
+            os.close(self._pidfds.pop(pid))
+        ready, _, _ = select.select(fds, [], [], max(timeout_s, 0.0))
+        if self._r in ready:
+            try:
+                while os.read(self._r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def _pidfd(self, pid: int) -> int | None:
+        fd = self._pidfds.get(pid)
+        if fd is None:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return None
+            self._pidfds[pid] = fd
+        return fd
+
+    # -- end ----------------------------------------------------------------
+
+    def _stop_thread(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        if self._watching is not None and self._token is not None:
+            try:
+                from jitckpt.report import Reporter, connect
+
+                Reporter(connect(*self._watching, timeout_s=2.0), self._token, rank=None).send(WAKE)
+            except Exception:
+                pass  # the store is gone: the waiter's wait has failed already
+        self._thread.join(timeout=2.0)
+        self._thread = None
+
+    def close(self) -> None:
+        self._stop_thread()
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
