@@ -3,7 +3,9 @@
 Workers start through ``python -m jitckpt._bootstrap`` so failure detection
 is in place without code changes (not with --no-python, which runs the
 program as is). Environment given to workers: JITCKPT_DIR, JITCKPT_JOB_ID,
-JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a failure, JITCKPT_RESTORE_STEP.
+JITCKPT_TOKEN, JITCKPT_TIMEOUT, JITCKPT_EC_EVERY, JITCKPT_EC_CODE and, after a
+failure, JITCKPT_RESTORE_STEP (with an EC snapshot chosen, also
+JITCKPT_RESTORE_SOURCE=ec and JITCKPT_EC_FALLBACK_STEP).
 """
 
 from __future__ import annotations
@@ -255,6 +257,13 @@ def run(args) -> int:
                   "timeout only", file=sys.stderr)
         else:
             os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
+            if args.no_python:
+                # A program without Python (no jitckpt handler): the shim recovers lost
+                # collectives and NCCL errors in place, or exits 75 for a restart.
+                from .shim_events import SHIM_EVENTS
+
+                os.environ.setdefault("JITCKPT_ON_HANG", "recover")
+                os.environ.setdefault("JITCKPT_SHIM_EVENTS", str(root / SHIM_EVENTS))
 
     # torchrun's own defaulting (torch.distributed.run.run)
     if args.standalone:
@@ -287,10 +296,16 @@ def run(args) -> int:
 
     from .launch import launch
 
-    return launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, share_token=not user_token,
-                  timeout_s=timeout,
-                  save_timeout_s=args.jit_save_timeout, sched=sched,
-                  command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
+    rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, share_token=not user_token,
+                timeout_s=timeout,
+                save_timeout_s=args.jit_save_timeout, sched=sched,
+                command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
+    if intercept:
+        from .shim_events import collect
+
+        for line in collect(root):
+            print(line, flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -42,6 +42,19 @@ int jitintercept_dump_counters(const char *path);
 /* Replay log (paper §4.1). minibatch_begin clears it; call it from the step
  * hook while no other thread is issuing device calls. */
 void jitintercept_minibatch_begin(void);
+/* Optimizer phase marks (paper §4.2.2): call optimizer_begin just before the
+ * parameter/optimizer-state update and optimizer_end right after it, from the
+ * same thread as minibatch_begin. A fault noticed between minibatch_begin and
+ * optimizer_begin is recovered in place (JITCKPT_ON_HANG=recover); one
+ * noticed later in the minibatch is not replayed (it falls back). In recover
+ * mode optimizer_begin first waits for the minibatch's collectives to finish
+ * (a fault found there is still replayable). Without the marks in-place
+ * recovery refuses (JITCKPT_RECOVER_NO_PHASES=1 overrides). */
+void jitintercept_optimizer_begin(void);
+void jitintercept_optimizer_end(void);
+/* 1 when JITCKPT_ON_HANG=recover; number of in-place recoveries so far. */
+int jitintercept_recover_mode(void);
+uint64_t jitintercept_recoveries(void);
 /* Current minibatch number (number of minibatch_begin calls). */
 uint64_t jitintercept_minibatch(void);
 /* Records, bytes in use, records dropped because the cap was reached. */

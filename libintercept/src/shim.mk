@@ -39,7 +39,7 @@ SHIM_PROG_CFLAGS := $(CFLAGS) -std=gnu11 -O1 -g -Wno-unused-parameter -Wno-forma
 SHIM_PROG_SIM_LIBS = -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.13 -l:libnccl.so.2 -ldl -lpthread
 CUDA_LIB64 ?= /usr/local/cuda/lib64
 
-SHIM_PROGS := $(SHIM_TESTS)/ranks $(SHIM_TESTS)/replay $(SHIM_TESTS)/vhandles $(SHIM_TESTS)/bench \
+SHIM_PROGS := $(SHIM_TESTS)/ranks $(SHIM_TESTS)/replay $(SHIM_TESTS)/dp $(SHIM_TESTS)/vhandles $(SHIM_TESTS)/bench \
 	$(SHIM_TESTS)/blocker.so $(SHIM_TESTS)/localload $(SHIM_TESTS)/liblocal.so $(SHIM_TESTS)/v12 \
 	$(SHIM_TESTS)/v13 $(SHIM_TESTS)/variants/unversioned/libjitintercept.so \
 	$(SHIM_TESTS)/variants/v13only/libjitintercept.so

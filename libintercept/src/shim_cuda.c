@@ -20,7 +20,16 @@ JI_TABLE(JI_PROTO_)
 
 #define NO_LIB cudaErrorInitializationError
 
-#define CALL(expr) (ji_tls_depth++, __extension__({ cudaError_t r_ = (expr); ji_tls_depth--; r_; }))
+/* In recover mode a sticky error (>= 700: illegal address and its family)
+ * from any call means the context is gone: fall back at once, before the
+ * application sees the error (one predictable compare on the hot path). */
+#define CALL(expr)                                                     \
+  (ji_tls_depth++, __extension__({                                     \
+     cudaError_t r_ = (expr);                                          \
+     ji_tls_depth--;                                                   \
+     if (JI_UNLIKELY(r_ >= 700) && ji_rcv_mode) ji_rcv_cuda_error(r_); \
+     r_;                                                               \
+   }))
 
 /* Handle translation that rejects destroyed virtual handles. */
 #define XLATE(out, h)                                                        \
@@ -161,10 +170,18 @@ JI_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
     return ss ? CALL(ss(ji_private_stream())) : NO_LIB;
   }
-  ji_park_enter();
-  cudaError_t r = CALL(fn(pe));
-  ji_park_exit();
-  return r;
+  for (;;) {
+    unsigned g = ji_rcv_begin();
+    ji_park_enter();
+    cudaError_t r = CALL(fn(pe));
+    ji_park_exit();
+    if (JI_LIKELY(!ji_rcv_mode) || !ji_rcv_after_block(g, r, 1)) {
+      if (r == cudaSuccess) ji_log_mark_synced();
+      return r;
+    }
+    ji_vh *v2 = ji_vh_of(event); /* re-created behind the virtual handle */
+    if (v2) pe = atomic_load(&v2->phys);
+  }
 }
 
 /* ---------------- streams ---------------- */
@@ -260,12 +277,18 @@ static cudaError_t st_sync(int id, cudaStream_t stream) {
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(stream);
   ji_count(id);
-  XLATE(ps, stream);
-  if (in_trigger()) ps = ji_private_stream();
-  ji_park_enter();
-  cudaError_t r = CALL(fn(ps));
-  ji_park_exit();
-  return r;
+  for (;;) {
+    XLATE(ps, stream);
+    if (in_trigger()) ps = ji_private_stream();
+    unsigned g = ji_rcv_begin();
+    ji_park_enter();
+    cudaError_t r = CALL(fn(ps));
+    ji_park_exit();
+    if (JI_LIKELY(!ji_rcv_mode) || !ji_rcv_after_block(g, r, 1)) {
+      if (r == cudaSuccess) ji_log_mark_synced();
+      return r;
+    }
+  }
 }
 JI_API cudaError_t cudaStreamSynchronize(cudaStream_t stream) { return st_sync(JI_ID_cudaStreamSynchronize, stream); }
 JI_API cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t stream) {
@@ -281,10 +304,16 @@ JI_API cudaError_t cudaDeviceSynchronize(void) {
     ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
     return ss ? CALL(ss(ji_private_stream())) : NO_LIB;
   }
-  ji_park_enter();
-  cudaError_t r = CALL(fn());
-  ji_park_exit();
-  return r;
+  for (;;) {
+    unsigned g = ji_rcv_begin();
+    ji_park_enter();
+    cudaError_t r = CALL(fn());
+    ji_park_exit();
+    if (JI_LIKELY(!ji_rcv_mode) || !ji_rcv_after_block(g, r, 1)) {
+      if (r == cudaSuccess) ji_log_mark_synced();
+      return r;
+    }
+  }
 }
 
 /* ---------------- memory ---------------- */
@@ -368,11 +397,19 @@ static cudaError_t mc_sync(int id, void *dst, const void *src, size_t count, enu
     cudaError_t r = memcpy_redirect(dst, src, count, kind);
     if (r != cudaErrorNotReady) return r;
   }
-  ji_park_enter();
-  cudaError_t r = CALL(fn(dst, src, count, kind));
-  ji_park_exit();
-  if (r == cudaSuccess) log_memcpy(id, dst, src, count, kind, NULL);
-  return r;
+  for (;;) {
+    unsigned g = ji_rcv_begin();
+    ji_park_enter();
+    cudaError_t r = CALL(fn(dst, src, count, kind));
+    ji_park_exit();
+    /* Redone after a recovery: the copy may have read pre-replay state. */
+    if (JI_UNLIKELY(ji_rcv_mode) && ji_rcv_after_block(g, r, 0)) continue;
+    if (r == cudaSuccess) {
+      log_memcpy(id, dst, src, count, kind, NULL);
+      ji_log_mark_synced();
+    }
+    return r;
+  }
 }
 JI_API cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
   return mc_sync(JI_ID_cudaMemcpy, dst, src, count, kind);
@@ -457,7 +494,8 @@ static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, d
   if (in_trigger()) ps = ji_private_stream();
   cudaError_t r = CALL(LCALL(ps));
 #undef LCALL
-  if (r == cudaSuccess) log_launch(id, f, is_kernel, g, b, args, shm, stream);
+  if (JI_LIKELY(r == cudaSuccess)) log_launch(id, f, is_kernel, g, b, args, shm, stream);
+  else if (ji_rcv_mode) (void)ji_rcv_after_block(ji_rcv_begin(), r, 0); /* sticky: falls back */
   return r;
 }
 JI_API cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3 blockDim, void **args, size_t sharedMem,

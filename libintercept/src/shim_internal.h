@@ -46,7 +46,12 @@ typedef struct ji_cblock {
 } ji_cblock;
 extern JI_TLS ji_cblock *ji_tls_cnt;
 JI_HIDDEN ji_cblock *ji_cblock_new(void);
+/* In-place recovery gate (shim_transparent.c): every hook passes here after
+ * its depth check; one relaxed load unless a recovery is running. */
+extern _Atomic int ji_rcv_active;
+JI_HIDDEN void ji_rcv_gate(void);
 static inline void ji_count(int id) {
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
   ji_cblock *b = ji_tls_cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;
@@ -183,5 +188,49 @@ JI_HIDDEN void ji_alloc_untrack(void *p);
 /* Kernel parameter layout: number of params (or -1) and their sizes/offsets. */
 JI_HIDDEN int ji_kernel_params(const void *func, int is_kernel_handle, size_t *offs, size_t *sizes, int max);
 JI_HIDDEN void ji_kernel_map(cudaKernel_t k, const void *func);
+
+
+/* ---- in-place recovery (shim_transparent.c, shim_store.c) ---- */
+typedef struct ji_fault {
+  const char *kind;   /* hang | nccl_error | nccl_async_error | cuda_error | peer */
+  const char *source; /* timeout | call | ncclCommGetAsyncError | cudaEventQuery | store */
+  int code;
+  int coll;           /* JI_ID_* of the collective, or -1 */
+  double waited;      /* detection: seconds the collective waited (hangs) */
+} ji_fault;
+extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
+extern _Atomic unsigned ji_rcv_gen;
+extern _Atomic int ji_open_groups;
+extern _Atomic int ji_opt_phase, ji_opt_in_mb;
+static inline unsigned ji_rcv_begin(void) { return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed); }
+JI_HIDDEN int ji_rcv_run(const ji_fault *f, int failed_in_group);
+JI_HIDDEN int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl);
+JI_HIDDEN int ji_rcv_nccl_error(int id, int rc);
+JI_HIDDEN void ji_rcv_cuda_error(int rc);
+JI_HIDDEN void ji_rcv_poll_store(void);
+JI_HIDDEN void ji_rcv_quiesce(void);
+JI_HIDDEN int ji_rcv_drain(double deadline);
+JI_HIDDEN int ji_store_available(void);
+JI_HIDDEN int ji_store_set(const char *key, const void *val, size_t n, double timeout_s);
+JI_HIDDEN int ji_store_add(const char *key, int64_t delta, int64_t *out, double timeout_s);
+JI_HIDDEN int ji_store_check(const char *key, double timeout_s);
+JI_HIDDEN int ji_store_get(const char *key, void *val, size_t n, double timeout_s);
+JI_HIDDEN void ji_store_atfork_child(void);
+/* watchdog services used by the recovery */
+JI_HIDDEN int ji_wd_group_depth(void);
+JI_HIDDEN int ji_wd_comm_async_error(int *rank);
+JI_HIDDEN void ji_wd_write_event(const char *json);
+JI_HIDDEN void ji_wd_fallback(void) __attribute__((noreturn));
+JI_HIDDEN void *ji_wd_pool_get(void);
+JI_HIDDEN void ji_wd_pool_put(void *e);
+JI_HIDDEN double ji_wd_timeout(void);
+JI_HIDDEN void ji_wd_rearm_after_recovery(void);
+/* replay services */
+JI_HIDDEN uint64_t ji_log_tail_now(void);
+JI_HIDDEN int ji_log_replayable(const char **why);
+JI_HIDDEN void ji_log_mark_synced(void);
+JI_HIDDEN int ji_replay_run(uint64_t end, int *nrec, double deadline);
+JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
+JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
 
 #endif

@@ -60,6 +60,17 @@ int ji_is_nccl_stream(cudaStream_t s) {
   return 0;
 }
 
+void ji_nccl_nv_streams(void **out, int *n, int max) {
+  int m = atomic_load(&nv_n);
+  if (m > NV_MAX) m = NV_MAX;
+  for (int i = 0; i < m; i++) {
+    void *s = atomic_load(&nv_streams[i]);
+    int dup = 0;
+    for (int j = 0; j < *n; j++) dup |= out[j] == s;
+    if (!dup && *n < max) out[(*n)++] = s;
+  }
+}
+
 static void log_words(int id, unsigned n, const uint64_t *w) {
   if (!ji_log_on()) return;
   ji_rec *r = ji_log_reserve(id, n, 0);
@@ -206,9 +217,17 @@ static void coll_done(int id, ncclComm_t comm, cudaStream_t stream, const uint64
 JI_API ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                   ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   COLL_PRE(ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclAllReduce, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream)};
     coll_done(JI_ID_ncclAllReduce, comm, stream, w, 7);
@@ -219,9 +238,17 @@ JI_API ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t c
 JI_API ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                   int root, ncclComm_t comm, cudaStream_t stream) {
   COLL_PRE(ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, recvbuff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, recvbuff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclBroadcast, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm),
                      U(stream)};
@@ -233,9 +260,17 @@ JI_API ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t c
 JI_API ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
   COLL_PRE(ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, root, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, root, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclReduce, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[8] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream),
                      (uint64_t)(int64_t)root};
@@ -247,9 +282,17 @@ JI_API ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t coun
 JI_API ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype,
                                   ncclComm_t comm, cudaStream_t stream) {
   COLL_PRE(ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, recvbuff, sendcount, datatype, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, recvbuff, sendcount, datatype, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclAllGather, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(sendbuff), U(recvbuff), sendcount, (uint64_t)datatype, 0, U(comm), U(stream)};
     coll_done(JI_ID_ncclAllGather, comm, stream, w, 7);
@@ -261,9 +304,17 @@ JI_API ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size
                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                       cudaStream_t stream) {
   COLL_PRE(ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, recvbuff, recvcount, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, recvbuff, recvcount, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclReduceScatter, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(sendbuff), U(recvbuff), recvcount, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream)};
     coll_done(JI_ID_ncclReduceScatter, comm, stream, w, 7);
@@ -274,9 +325,17 @@ JI_API ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size
 JI_API ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                              cudaStream_t stream) {
   COLL_PRE(ncclSend, sendbuff, count, datatype, peer, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(sendbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(sendbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclSend, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(sendbuff), 0, count, (uint64_t)datatype, (uint64_t)(int64_t)peer, U(comm), U(stream)};
     coll_done(JI_ID_ncclSend, comm, stream, w, 7);
@@ -287,9 +346,17 @@ JI_API ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t 
 JI_API ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                              cudaStream_t stream) {
   COLL_PRE(ncclRecv, recvbuff, count, datatype, peer, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(recvbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(recvbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclRecv, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {0, U(recvbuff), count, (uint64_t)datatype, (uint64_t)(int64_t)peer, U(comm), U(stream)};
     coll_done(JI_ID_ncclRecv, comm, stream, w, 7);
@@ -300,9 +367,17 @@ JI_API ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t dataty
 JI_API ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
                               cudaStream_t stream) {
   COLL_PRE(ncclBcast, buff, count, datatype, root, comm, stream);
+  ncclResult_t r;
+retry:
   ji_park_enter();
-  ncclResult_t r = NCALL(fn(buff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
+  r = NCALL(fn(buff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
   ji_park_exit();
+  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclBcast, r)) {
+    NXLATE(pc2, comm);
+    NXLATE(ps2, stream);
+    pc = pc2, ps = ps2;
+    goto retry;
+  }
   if (ok(r)) {
     uint64_t w[7] = {U(buff), U(buff), count, (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm), U(stream)};
     coll_done(JI_ID_ncclBcast, comm, stream, w, 7);
@@ -357,6 +432,7 @@ JI_API ncclResult_t ncclGroupStart(void) {
   COUNT(ncclGroupStart);
   ncclResult_t r = NCALL(fn());
   if (ok(r)) {
+    if (ji_wd_group_depth() == 0) atomic_fetch_add(&ji_open_groups, 1);
     ji_wd_group_start();
     log_words(JI_ID_ncclGroupStart, 0, NULL);
   }
@@ -368,9 +444,17 @@ JI_API ncclResult_t ncclGroupEnd(void) {
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn();
   COUNT(ncclGroupEnd);
-  ji_park_enter();
-  ncclResult_t r = NCALL(fn());
-  ji_park_exit();
+  ncclResult_t r;
+  for (;;) {
+    ji_park_enter();
+    r = NCALL(fn());
+    ji_park_exit();
+    /* An error of a group's collective can surface here: recover, which
+     * replays the group (this thread's depth is restored by the replay), and
+     * end it again. */
+    if (JI_LIKELY(ok(r)) || !ji_rcv_mode || !ji_rcv_nccl_error(JI_ID_ncclGroupEnd, r)) break;
+  }
+  if (ji_wd_group_depth() == 1) atomic_fetch_sub(&ji_open_groups, 1);
   ji_wd_group_end(ok(r));
   if (ok(r)) log_words(JI_ID_ncclGroupEnd, 0, NULL);
   return r;

@@ -33,6 +33,9 @@ static _Atomic uint64_t log_tail;
 static _Atomic uint32_t log_epoch;
 static _Atomic uint64_t log_overflow;
 static _Atomic int log_incomplete;
+/* Log offset at the last blocking call that completed (the application has
+ * consumed device-to-host copies logged before it). */
+static _Atomic uint64_t log_synced;
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static int log_arm(void) {
@@ -86,6 +89,10 @@ void ji_log_commit(ji_rec *r) {
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
 
 JI_API void jitintercept_minibatch_begin(void) {
+  /* Collectives issued in the previous optimizer phase (a grad-norm
+   * all-reduce on the compute stream, say) must be known good before the log
+   * is reset: a fault in them falls back instead of being replayed wrongly. */
+  if (ji_rcv_mode && atomic_load(&ji_opt_in_mb)) ji_rcv_quiesce();
   if (!atomic_load(&ji_log_armed)) {
     if (!log_arm()) return;
     atomic_store(&ji_log_armed, 1);
@@ -94,6 +101,24 @@ JI_API void jitintercept_minibatch_begin(void) {
   atomic_store(&log_tail, 0);
   atomic_store(&log_overflow, 0);
   atomic_store(&log_incomplete, 0);
+  atomic_store(&log_synced, 0);
+  atomic_store(&ji_opt_in_mb, 0);
+}
+
+uint64_t ji_log_tail_now(void) {
+  uint64_t t = atomic_load(&log_tail);
+  return t < log_cap ? t : log_cap;
+}
+void ji_log_mark_synced(void) {
+  if (atomic_load_explicit(&ji_log_armed, memory_order_relaxed))
+    atomic_store_explicit(&log_synced, ji_log_tail_now(), memory_order_relaxed);
+}
+int ji_log_replayable(const char **why) {
+  if (!atomic_load(&ji_log_armed)) *why = "no replay log (jitintercept_minibatch_begin never called)";
+  else if (atomic_load(&log_overflow)) *why = "the replay log overflowed (JITCKPT_REPLAY_CAP_MB)";
+  else if (atomic_load(&log_incomplete)) *why = "the replay log is incomplete (unknown kernel parameter sizes or host callbacks)";
+  else return 1;
+  return 0;
 }
 
 JI_API uint64_t jitintercept_minibatch(void) { return atomic_load(&log_epoch); }
@@ -366,17 +391,27 @@ int ji_kernel_params(const void *f, int is_kernel, size_t *offs, size_t *sizes, 
 
 static void *xl(uint64_t h) { return ji_phys(P(h)); }
 
-JI_API int jitintercept_replay(void) {
+JI_API int jitintercept_replay(void) { return ji_replay_run(UINT64_MAX, NULL, 0); }
+
+/* Replays the records before offset `end`. deadline 0: ends with
+ * cudaDeviceSynchronize (the public API); otherwise waits for every stream
+ * until the deadline (-3 when it passes: a second fault). D2H copies logged
+ * after the last completed blocking call go to their real destination (the
+ * application has not seen those bytes yet); earlier ones to scratch. */
+int ji_replay_run(uint64_t end, int *nrec, double deadline) {
   if (!atomic_load(&ji_log_armed) || atomic_load(&log_overflow) || atomic_load(&log_incomplete)) return -1;
-  int status = 0;
+  uint64_t synced = deadline > 0 ? atomic_load(&log_synced) : UINT64_MAX;
+  int status = 0, count = 0;
   void **scratch = NULL;
   size_t nscratch = 0;
   uint64_t off = 0;
   ji_rec *r;
   /* Runtime callbacks into hooked symbols during replay must not be logged. */
   ji_tls_depth++;
-  while (!status && (r = rec_next(&off))) {
+  while (!status && off < end && (r = rec_next(&off))) {
     uint64_t *a = r->a;
+    uint64_t roff = off - r->size;
+    count++;
     switch (r->id) {
       case JI_ID_cudaEventRecord:
       case JI_ID_cudaEventRecord_ptsz:
@@ -403,7 +438,7 @@ JI_API int jitintercept_replay(void) {
         enum cudaMemcpyKind kind = (enum cudaMemcpyKind)a[3];
         int to_host = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyHostToHost ||
                       (kind == cudaMemcpyDefault && !ji_is_device_ptr(dst));
-        if (to_host) {
+        if (to_host && roff < synced) {
           /* The application consumed those bytes already and may have freed
            * the buffer: replay into scratch. */
           void **ns = realloc(scratch, (nscratch + 1) * sizeof *ns);
@@ -518,9 +553,17 @@ JI_API int jitintercept_replay(void) {
         break;
     }
   }
-  ji_fn_cudaDeviceSynchronize ds = REAL(cudaDeviceSynchronize);
-  if (ds) CHK(ds());
+  if (deadline > 0) {
+    ji_tls_depth--;
+    int d = ji_rcv_drain(deadline);
+    ji_tls_depth++;
+    if (d && !status) status = d < 0 ? -3 : d;
+  } else {
+    ji_fn_cudaDeviceSynchronize ds = REAL(cudaDeviceSynchronize);
+    if (ds) CHK(ds());
+  }
   ji_tls_depth--;
+  if (nrec) *nrec = count;
   for (size_t i = 0; i < nscratch; i++) free(scratch[i]);
   free(scratch);
   return status;

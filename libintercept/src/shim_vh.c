@@ -97,6 +97,10 @@ __attribute__((constructor)) static void vh_mode_init(void) {
     ji_vh_mode = (strstr(e, "stream") ? JI_VM_STREAMS : 0) | (strstr(e, "event") ? JI_VM_EVENTS : 0) |
                  (strstr(e, "comm") ? JI_VM_COMMS : 0);
   }
+  /* In-place recovery re-creates communicators: they are always virtual
+   * then (nothing outside the hooked NCCL API needs the raw handle). */
+  const char *m = ji_getenv("JITCKPT_ON_HANG");
+  if (m && !strcmp(m, "recover")) ji_vh_mode |= JI_VM_COMMS;
 }
 
 /* Under LeakSanitizer the arena must be a root: communicator records are
@@ -178,3 +182,15 @@ void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
 }
 
 JI_API void *jitintercept_physical(void *handle) { return ji_phys(handle); }
+
+/* Like ji_vh_foreach, shadow records included. */
+void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
+  if (!ji_vh_base) return;
+  pthread_mutex_lock(&vh_mu);
+  uint32_t n = vh_high;
+  pthread_mutex_unlock(&vh_mu);
+  for (uint32_t i = 0; i < n; i++) {
+    ji_vh *v = (ji_vh *)(ji_vh_base + (uintptr_t)i * JI_VH_SLOT);
+    if (v->kind == kind && atomic_load(&v->phys)) fn(v, arg);
+  }
+}

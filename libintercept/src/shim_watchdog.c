@@ -80,7 +80,7 @@ static _Atomic(void *) handler_user;
 static double cfg_fixed_timeout; /* > 0: JITCKPT_TIMEOUT */
 static double cfg_mult = 5.0, cfg_floor = 30.0;
 static double cfg_poll = 0.05;
-static int cfg_on_hang; /* 0 report, 1 exit, 2 abort */
+static int cfg_on_hang; /* 0 report, 1 exit, 2 abort, 3 recover (shim_transparent.c) */
 static int cfg_exit_code = 75;
 static double longest_s; /* longest completed collective (watchdog thread only, read atomically-ish) */
 static _Atomic double timeout_now;
@@ -108,7 +108,7 @@ static void read_config(void) {
   cfg_poll = env_d("JITCKPT_POLL_MS", 50) / 1000.0;
   if (cfg_poll < 0.001) cfg_poll = 0.001;
   const char *m = ji_getenv("JITCKPT_ON_HANG");
-  cfg_on_hang = !m ? 0 : !strcmp(m, "exit") ? 1 : !strcmp(m, "abort") ? 2 : 0;
+  cfg_on_hang = !m ? 0 : !strcmp(m, "exit") ? 1 : !strcmp(m, "abort") ? 2 : !strcmp(m, "recover") ? 3 : 0;
   cfg_exit_code = (int)env_d("JITCKPT_HANG_EXIT_CODE", 75);
   /* 0 only for the negative control of the redirect test. */
   const char *rd = ji_getenv("JITCKPT_REDIRECT");
@@ -309,7 +309,8 @@ static const char *coll_name(int id) {
 }
 
 static void write_event_line(const char *json) {
-  const char *path = ji_getenv("JITCKPT_EVENT_LOG");
+  const char *path = ji_getenv("JITCKPT_SHIM_EVENTS");
+  if (!path) path = ji_getenv("JITCKPT_EVENT_LOG");
   int fd = path ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644) : 2;
   if (fd < 0) fd = 2;
   size_t n = strlen(json);
@@ -341,6 +342,17 @@ static void fire(const char *kind, const wentry *e, double waited, int code, con
   int expected = 0;
   if (!atomic_compare_exchange_strong(&fired, &expected, 1)) return;
   atomic_fetch_add(&ji_stats[JI_ST_TRIGGERS], 1);
+  if (cfg_on_hang == 3) {
+    /* In-place recovery; the entry is copied: the recovery resets the list. */
+    ji_fault f = {.kind = !strcmp(kind, "hang") ? "hang"
+                          : !strcmp(what, "ncclCommGetAsyncError") ? "nccl_async_error"
+                                                                   : "cuda_error",
+                  .source = what, .code = code, .coll = e ? e->coll : -1, .waited = waited};
+    /* Returns when recovered (or joined a recovery); -2: not now (another
+     * thread is inside an NCCL group), the next poll detects it again. */
+    if (ji_rcv_run(&f, 0) == -2) atomic_store(&fired, 0);
+    return;
+  }
   struct timeval tv;
   gettimeofday(&tv, NULL);
   char json[1024];
@@ -350,7 +362,8 @@ static void fire(const char *kind, const wentry *e, double waited, int code, con
            "\"pending\": %d, \"seq\": %llu, \"on_hang\": \"%s\"}",
            kind, (double)tv.tv_sec + tv.tv_usec * 1e-6, e ? e->rank : comm_rank(NULL), (int)getpid(), waited,
            e ? coll_name(e->coll) : "none", cur_timeout(), code, what, atomic_load(&wl_pending),
-           (unsigned long long)(e ? e->seq : 0), cfg_on_hang == 1 ? "exit" : cfg_on_hang == 2 ? "abort" : "report");
+           (unsigned long long)(e ? e->seq : 0),
+           cfg_on_hang == 1 ? "exit" : cfg_on_hang == 2 ? "abort" : cfg_on_hang == 3 ? "recover" : "report");
   jitintercept_handler_fn h = atomic_load(&handler_fn);
   if (!h || ji_getenv("JITCKPT_EVENT_LOG")) write_event_line(json);
   if (h) {
@@ -457,6 +470,9 @@ static void poll_once(void) {
     fire("error", &fake, 0, nerr, "ncclCommGetAsyncError");
   } else if (hang) {
     fire("hang", hang, hang_wait, 0, "timeout");
+  } else if (cfg_on_hang == 3 && atomic_load(&wl_pending) > 0) {
+    /* A collective is in flight: has another rank started a recovery? */
+    ji_rcv_poll_store();
   }
 }
 
@@ -480,7 +496,7 @@ static void *wd_main(void *arg) {
     pthread_mutex_lock(&wd_mu);
     pthread_cond_timedwait(&wd_cv, &wd_mu, &ts);
     pthread_mutex_unlock(&wd_mu);
-    if (atomic_load(&fired)) continue;
+    if (atomic_load(&fired) || atomic_load(&ji_rcv_active)) continue;
     poll_once();
   }
   return NULL;
@@ -494,6 +510,7 @@ static void atfork_child(void) {
   atomic_store(&wl_pending, 0);
   ncomms = 0;
   atomic_store(&wd_started, 0);
+  ji_store_atfork_child();
 }
 
 void ji_wd_start(void) {
@@ -537,4 +554,56 @@ JI_API int64_t jitintercept_stat(const char *name) {
   for (int i = 0; name && i < JI_ST_N; i++)
     if (!strcmp(names[i], name)) return (int64_t)atomic_load(&ji_stats[i]);
   return -1;
+}
+
+/* ---------------- services for in-place recovery (shim_transparent.c) ---------------- */
+int ji_wd_group_depth(void) { return tls_group_depth; }
+
+/* First NCCL async error of a live communicator (0: none). */
+int ji_wd_comm_async_error(int *rank) {
+  ji_fn_ncclCommGetAsyncError ge = REAL(ncclCommGetAsyncError);
+  int err = 0;
+  if (!ge) return 0;
+  pthread_mutex_lock(&wd_mu);
+  for (int i = 0; i < ncomms && !err; i++) {
+    void *pc = atomic_load(&comms[i]->phys);
+    ncclResult_t ar = ncclSuccess;
+    if (!pc) continue;
+    ji_tls_depth++;
+    ncclResult_t rr = ge((ncclComm_t)pc, &ar);
+    ji_tls_depth--;
+    if (rr == ncclSuccess && ar != ncclSuccess && ar != ncclInProgress) err = (int)ar, *rank = comm_rank(comms[i]);
+  }
+  pthread_mutex_unlock(&wd_mu);
+  return err;
+}
+
+void ji_wd_write_event(const char *json) { write_event_line(json); }
+void *ji_wd_pool_get(void) { return pool_get(); }
+void ji_wd_pool_put(void *e) {
+  pthread_mutex_lock(&wd_mu);
+  pool_put_locked(e);
+  pthread_mutex_unlock(&wd_mu);
+}
+double ji_wd_timeout(void) { return cur_timeout(); }
+void ji_wd_rearm_after_recovery(void) { atomic_store(&fired, 0); }
+
+/* In-place recovery is impossible: the existing path (the registered JIT
+ * handler, i.e. the user-level save, then exit for the launcher to restart). */
+void ji_wd_fallback(void) {
+  jitintercept_handler_fn h = atomic_load(&handler_fn);
+  if (h) {
+    char json[256];
+    snprintf(json, sizeof json,
+             "{\"event\": \"error\", \"source\": \"recovery_fallback\", \"rank\": %d, \"pid\": %d, "
+             "\"on_hang\": \"recover\"}",
+             comm_rank(NULL), (int)getpid());
+    make_private_stream();
+    atomic_store(&ji_trigger_active, 1);
+    ji_gil_release_parked(0.5);
+    ji_tls_trigger = 1;
+    ji_tls_log_off = 1;
+    h(json, atomic_load(&handler_user));
+  }
+  _exit(cfg_exit_code);
 }

@@ -1,0 +1,548 @@
+/*
+ * shim_transparent.c - in-place recovery of transient faults (paper §4.2.1),
+ * JITCKPT_ON_HANG=recover.
+ *
+ * On a hang past the timeout, an NCCL error (returned by a call, or the
+ * communicator's async error), or a peer's announcement through the store,
+ * one thread of the process becomes the coordinator (the watchdog thread, or
+ * the application thread whose call failed) and:
+ *   1. raises the gate: every other thread entering a hook waits in it, and a
+ *      thread coming back from a blocking call (cudaStreamSynchronize, ...)
+ *      waits too, then redoes the call against the new handles;
+ *   2. decides locally whether the replay can be trusted (optimizer phase,
+ *      log overflow/incomplete, sticky device error, split communicators,
+ *      recovery count); another thread inside an open NCCL group postpones
+ *      the attempt (gate down, retried at the next poll);
+ *   3. closes its own open NCCL group (if the failed call was inside one),
+ *      aborts every communicator, and waits for the old streams to drain
+ *      (the work queued behind the aborted collective runs out and is redone
+ *      by the replay);
+ *   4. agrees on the epoch E with every rank through the job's TCPStore
+ *      (MASTER_ADDR/MASTER_PORT, shim_store.c): ADD start/E, ADD bad/E,
+ *      ADD join/E, then polls join/E until WORLD_SIZE ranks joined; any
+ *      bad/E > 0 means every rank falls back;
+ *   5. re-creates virtual streams/events, and each communicator from a new
+ *      ncclUniqueId published by its rank 0 under id/E/<k>;
+ *   6. replays the minibatch's log (shim_replay.c) and waits, bounded, for
+ *      the replayed work; the failed call itself is re-issued by its caller;
+ *   7. lowers the gate, re-arms the watchdog, writes one "shim_recovery" line.
+ * Whatever cannot be done writes one "shim_recovery" line with outcome
+ * "fallback" and the reason, then runs the registered JIT handler (if any)
+ * and _exits with JITCKPT_HANG_EXIT_CODE: the process never continues with
+ * device state it cannot vouch for. Late ranks (stopped, then continued) see
+ * start/E in the store (the watchdog polls it while a collective is pending,
+ * optimizer_begin once per step) or time out themselves, and join the same
+ * epoch.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "jitintercept.h"
+#include "shim_internal.h"
+
+_Atomic int ji_rcv_active;
+_Atomic unsigned ji_rcv_gen;
+int ji_rcv_mode;
+_Atomic int ji_open_groups;
+_Atomic int ji_opt_phase;     /* 1 between optimizer_begin and optimizer_end */
+_Atomic int ji_opt_in_mb;     /* optimizer_begin seen in the current minibatch */
+static _Atomic int opt_ever;  /* the application uses the phase marks */
+
+static _Atomic int busy;
+static JI_TLS int tls_coord;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
+static _Atomic int local_epoch; /* completed recoveries (written by the coordinator) */
+static _Atomic uint64_t n_recovered;
+static double cfg_bound = 60.0;
+static int cfg_max = 100;
+static char prefix[256];
+
+static double env_num(const char *n, double d) {
+  const char *v = ji_getenv(n);
+  if (!v) return d;
+  char *e;
+  double x = strtod(v, &e);
+  return e != v ? x : d;
+}
+
+__attribute__((constructor)) static void rcv_init(void) {
+  const char *m = ji_getenv("JITCKPT_ON_HANG");
+  ji_rcv_mode = m && !strcmp(m, "recover");
+  cfg_bound = env_num("JITCKPT_RECOVER_TIMEOUT", 60.0);
+  cfg_max = (int)env_num("JITCKPT_RECOVER_MAX", 100);
+  const char *p = ji_getenv("JITCKPT_STORE_PREFIX");
+  const char *rc = ji_getenv("TORCHELASTIC_RESTART_COUNT");
+  snprintf(prefix, sizeof prefix, "%s/%s/", p ? p : "jitckpt/shim", rc ? rc : "0");
+}
+
+static int env_int(const char *n, int d) {
+  const char *v = ji_getenv(n);
+  return v ? atoi(v) : d;
+}
+
+/* ---------------- gate ---------------- */
+static void gate_wait(void) {
+  pthread_mutex_lock(&g_mu);
+  while (atomic_load(&ji_rcv_active)) pthread_cond_wait(&g_cv, &g_mu);
+  pthread_mutex_unlock(&g_mu);
+}
+
+void ji_rcv_gate(void) {
+  if (tls_coord || !atomic_load(&ji_rcv_active)) return;
+  ji_park_enter();
+  gate_wait();
+  ji_park_exit();
+}
+
+static void gate_up(void) {
+  atomic_fetch_add(&ji_rcv_gen, 1);
+  atomic_store(&ji_rcv_active, 1);
+}
+static void gate_down(void) {
+  pthread_mutex_lock(&g_mu);
+  atomic_store(&ji_rcv_active, 0);
+  pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+}
+
+/* ---------------- helpers ---------------- */
+static int sticky_cuda(int rc) {
+  /* Errors after which the context is unusable (cudaErrorIllegalAddress and
+   * its family: launch failure, illegal instruction, misaligned address, ...). */
+  return rc == 700 || (rc >= 714 && rc <= 719) || rc == 999;
+}
+
+/* Every physical stream the application may have work on: all stream
+ * records (virtual and shadow), NCCL streams that are not records, legacy. */
+struct streams {
+  void *s[256];
+  int n;
+};
+static void add_stream(struct streams *ss, void *s) {
+  for (int i = 0; i < ss->n; i++)
+    if (ss->s[i] == s) return;
+  if (ss->n < 256) ss->s[ss->n++] = s;
+}
+static void collect_stream(ji_vh *v, void *p) { add_stream(p, atomic_load(&v->phys)); }
+static void all_streams(struct streams *ss) {
+  ss->n = 0;
+  add_stream(ss, NULL); /* legacy default stream */
+  ji_vh_foreach_all(JI_VK_STREAM, collect_stream, ss);
+  ji_nccl_nv_streams(ss->s, &ss->n, 256);
+}
+
+/* Records an event on every stream and polls them until done or the
+ * deadline. 0: drained; -1: timeout; >0: CUDA error. */
+int ji_rcv_drain(double deadline) {
+  struct streams ss;
+  all_streams(&ss);
+  ji_fn_cudaEventRecord rec = REAL(cudaEventRecord);
+  ji_fn_cudaEventQuery q = REAL(cudaEventQuery);
+  if (!rec || !q) return -1;
+  void *ev[256];
+  int ne = 0, rc = 0;
+  ji_tls_depth++;
+  for (int i = 0; i < ss.n; i++) {
+    void *e = ji_wd_pool_get();
+    if (!e) continue;
+    int r = rec((cudaEvent_t)e, (cudaStream_t)ss.s[i]);
+    if (r != cudaSuccess) {
+      if (sticky_cuda(r)) rc = r;
+      ji_wd_pool_put(e);
+      continue;
+    }
+    ev[ne++] = e;
+  }
+  while (!rc) {
+    int pending = 0;
+    for (int i = 0; i < ne; i++) {
+      if (!ev[i]) continue;
+      int r = q((cudaEvent_t)ev[i]);
+      if (r == cudaSuccess) ji_wd_pool_put(ev[i]), ev[i] = NULL;
+      else if (r == cudaErrorNotReady) pending++;
+      else { rc = r; break; }
+    }
+    if (!pending || rc) break;
+    if (ji_now() > deadline) { rc = -1; break; }
+    usleep(500);
+  }
+  ji_tls_depth--;
+  return rc; /* events still pending are leaked: they sit behind work that may never finish */
+}
+
+/* ---------------- the event line ---------------- */
+struct rec_info {
+  const ji_fault *f;
+  int epoch, replayed;
+  double t0, t_abort, t_agree, t_reinit, t_replay;
+  const char *outcome, *reason;
+};
+
+static void emit(const struct rec_info *ri) {
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  double end = ji_now();
+  char reason[300];
+  snprintf(reason, sizeof reason, "%s", ri->reason ? ri->reason : "");
+  for (char *c = reason; *c; c++)
+    if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20) *c = '\'';
+#define SPAN(a, b) ((a) > 0 && (b) > 0 ? (b) - (a) : 0.0)
+  char json[1400];
+  snprintf(json, sizeof json,
+           "{\"event\": \"shim_recovery\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"fault\": \"%s\", "
+           "\"source\": \"%s\", \"collective\": \"%s\", \"code\": %d, \"waited_s\": %.3f, \"timeout_s\": %.3f, "
+           "\"epoch\": %d, \"minibatch\": %llu, \"detect_s\": %.6f, \"abort_s\": %.6f, \"agree_s\": %.6f, "
+           "\"reinit_s\": %.6f, \"replay_s\": %.6f, \"total_s\": %.6f, \"replayed\": %d, \"outcome\": \"%s\", "
+           "\"reason\": \"%s\", \"attempt\": %d}",
+           (double)tv.tv_sec + tv.tv_usec * 1e-6, env_int("RANK", -1), (int)getpid(), ri->f->kind, ri->f->source,
+           (ri->f->coll >= 0 && ri->f->coll < JI_N_SYMS) ? ji_names[ri->f->coll] : "none", ri->f->code,
+           ri->f->waited, ji_wd_timeout(), ri->epoch, (unsigned long long)jitintercept_minibatch(),
+           ri->f->waited, SPAN(ri->t0, ri->t_abort), SPAN(ri->t_abort, ri->t_agree),
+           SPAN(ri->t_agree, ri->t_reinit), SPAN(ri->t_reinit, ri->t_replay), end - ri->t0, ri->replayed,
+           ri->outcome, reason, env_int("TORCHELASTIC_RESTART_COUNT", 0));
+#undef SPAN
+  ji_wd_write_event(json);
+}
+
+static void key(char *out, size_t n, const char *what, int epoch, int k) {
+  if (k >= 0) snprintf(out, n, "%s%s/%d/%d", prefix, what, epoch, k);
+  else snprintf(out, n, "%s%s/%d", prefix, what, epoch);
+}
+
+__attribute__((noreturn)) static void fallback(struct rec_info *ri, const char *reason) {
+  ri->outcome = "fallback";
+  ri->reason = reason;
+  emit(ri);
+  /* Tell the other ranks at once (they may still be before their check). */
+  if (ri->epoch > 0 && ji_store_available()) {
+    char k[300];
+    key(k, sizeof k, "bad", ri->epoch, -1);
+    ji_store_add(k, 1, NULL, 2.0);
+  }
+  ji_wd_fallback(); /* handler (user-level JIT save) if registered, then _exit */
+}
+
+/* ---------------- communicators ---------------- */
+struct comms {
+  ji_vh *v[64];
+  int n;
+};
+static void collect_comm(ji_vh *v, void *p) {
+  struct comms *c = p;
+  if (c->n < 64) c->v[c->n++] = v;
+}
+static void collect_comm_any(ji_vh *v, void *p) {
+  if (v->kind == JI_VK_COMM && v->comm && atomic_load(&v->phys)) collect_comm(v, p);
+}
+
+static int reinit_comms(struct comms *cs, int epoch, double deadline, const char **why) {
+  ji_fn_ncclGetUniqueId gid = REAL(ncclGetUniqueId);
+  ji_fn_ncclCommInitRankConfig irc = REAL(ncclCommInitRankConfig);
+  ji_fn_ncclCommInitRank ir = REAL(ncclCommInitRank);
+  for (int k = 0; k < cs->n; k++) {
+    ji_vh *v = cs->v[k];
+    struct ji_comm_info *ci = v->comm;
+    ncclUniqueId id;
+    char kk[300];
+    key(kk, sizeof kk, "id", epoch, k);
+    if (ci->rank == 0) {
+      ji_tls_depth++;
+      int r = gid ? gid(&id) : ncclSystemError;
+      ji_tls_depth--;
+      if (r != ncclSuccess || ji_store_set(kk, &id, sizeof id, 5.0)) {
+        *why = "could not publish the new ncclUniqueId";
+        return -1;
+      }
+    } else {
+      int got = 0;
+      while (!got && ji_now() < deadline) {
+        int c = ji_store_check(kk, 5.0);
+        if (c < 0) break;
+        if (c == 1) got = ji_store_get(kk, &id, sizeof id, 5.0) == 0 ? 1 : -1;
+        else usleep(2000);
+      }
+      if (got != 1) {
+        *why = "no new ncclUniqueId from rank 0 of a communicator within the bound";
+        return -1;
+      }
+    }
+    ncclComm_t fresh = NULL;
+    ji_tls_depth++;
+    ncclResult_t r = (ci->has_config && irc) ? irc(&fresh, ci->nranks, id, ci->rank, &ci->config)
+                     : ir                     ? ir(&fresh, ci->nranks, id, ci->rank)
+                                              : ncclSystemError;
+    /* Non-blocking configs: wait until the communicator is ready. */
+    ji_fn_ncclCommGetAsyncError ge = REAL(ncclCommGetAsyncError);
+    while (r == ncclInProgress && ge && ji_now() < deadline) {
+      ncclResult_t ar = ncclInProgress;
+      if (ge(fresh, &ar) != ncclSuccess) break;
+      r = ar;
+      if (r == ncclInProgress) usleep(1000);
+    }
+    ji_tls_depth--;
+    if (r != ncclSuccess) {
+      *why = "re-initializing a communicator failed";
+      return -1;
+    }
+    ci->id = id;
+    atomic_store(&v->phys, (void *)fresh);
+  }
+  return 0;
+}
+
+/* ---------------- the recovery ---------------- */
+/* Another thread holds `busy`: wait until its gate is up, then until it
+ * is down (a fallback never comes back: the process exits). */
+static void wait_done(void) {
+  while (atomic_load(&busy) && !atomic_load(&ji_rcv_active)) usleep(100);
+  gate_wait();
+}
+
+int ji_rcv_run(const ji_fault *f, int failed_in_group) {
+  if (!ji_rcv_mode) return -1;
+  int exp = 0;
+  if (!atomic_compare_exchange_strong(&busy, &exp, 1)) {
+    /* Another thread of this process is recovering: wait for its outcome. */
+    if (!tls_coord) wait_done();
+    return 0;
+  }
+  struct rec_info ri = {.f = f, .t0 = ji_now(), .outcome = "recovered"};
+  tls_coord = 1;
+  gate_up();
+  /* Threads that passed the gate just before it went up finish their
+   * (non-blocking) enqueue and log it before the log tail is read. */
+  usleep(2000);
+
+  const char *why = NULL;
+  int my_depth = failed_in_group ? ji_wd_group_depth() : 0;
+  if (atomic_load(&ji_open_groups) > (my_depth > 0)) {
+    /* Another thread is between ncclGroupStart and ncclGroupEnd: its group
+     * state lives in that thread. Let it finish (it is about to park in a
+     * synchronize, or to fail and coordinate itself); try again later. */
+    tls_coord = 0;
+    atomic_store(&busy, 0);
+    gate_down();
+    usleep(5000);
+    return -2;
+  }
+  struct comms cs = {.n = 0};
+  ji_vh_foreach(JI_VK_COMM, collect_comm, &cs);
+  if (!cs.n) ji_vh_foreach_all(JI_VK_COMM, collect_comm_any, &cs);
+  if (!ji_store_available()) why = "no store: MASTER_ADDR/MASTER_PORT not set";
+  else if (sticky_cuda(f->code) && !strcmp(f->kind, "cuda_error")) why = "sticky CUDA error: the device context is unusable";
+  else if (atomic_load(&ji_opt_phase)) why = "fault in the optimizer phase (parameters may be partly updated)";
+  else if (atomic_load(&ji_opt_in_mb)) why = "fault after the optimizer step of this minibatch began";
+  else if (!atomic_load(&opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
+    why = "no optimizer phase marks (jitintercept_optimizer_begin/end): cannot tell whether parameters were updated";
+  else if (!ji_log_replayable(&why)) { /* why set */ }
+  else if (local_epoch >= cfg_max) why = "JITCKPT_RECOVER_MAX recoveries reached";
+  else if (!cs.n) why = "no communicator to re-create";
+  for (int k = 0; !why && k < cs.n; k++)
+    if (cs.v[k]->comm->parent || cs.v[k]->shadow) why = "a communicator is split or not virtual";
+  uint64_t end = ji_log_tail_now();
+  double deadline = ri.t0 + cfg_bound;
+  int epoch = local_epoch + 1;
+  ri.epoch = epoch;
+
+  /* Close our own open group so its items leave this thread's group state
+   * (they run on the old communicators and are aborted below). */
+  ji_fn_ncclGroupEnd ge = REAL(ncclGroupEnd);
+  ji_tls_depth++;
+  for (int i = 0; i < my_depth && ge; i++) (void)ge();
+  ji_tls_depth--;
+
+  /* Abort: unblocks every stream stuck in a collective. */
+  ji_fn_ncclCommAbort ab = REAL(ncclCommAbort);
+  for (int k = 0; k < cs.n; k++) {
+    void *old = atomic_exchange(&cs.v[k]->phys, NULL);
+    ji_tls_depth++;
+    if (old && ab) ab((ncclComm_t)old);
+    ji_tls_depth--;
+  }
+  ji_wd_reset();
+  if (!why) {
+    int d = ji_rcv_drain(deadline);
+    if (d > 0) why = "sticky CUDA error while draining the streams";
+    else if (d < 0) why = "the streams did not drain after the abort";
+  }
+  ri.t_abort = ji_now();
+
+  /* Agree on the epoch with every rank. */
+  if (!ji_store_available()) fallback(&ri, why);
+  char k[300];
+  int world = env_int("WORLD_SIZE", cs.n ? cs.v[0]->comm->nranks : 1);
+  key(k, sizeof k, "start", epoch, -1);
+  int st = ji_store_add(k, 1, NULL, 5.0);
+  key(k, sizeof k, "bad", epoch, -1);
+  st |= ji_store_add(k, why ? 1 : 0, NULL, 5.0);
+  key(k, sizeof k, "join", epoch, -1);
+  int64_t joined = 0;
+  st |= ji_store_add(k, 1, &joined, 5.0);
+  if (st) fallback(&ri, "the store is unreachable");
+  if (why) fallback(&ri, why);
+  while (joined < world && ji_now() < deadline) {
+    usleep(2000);
+    if (ji_store_add(k, 0, &joined, 5.0)) fallback(&ri, "the store is unreachable");
+  }
+  if (joined < world) {
+    static char msg[160];
+    snprintf(msg, sizeof msg, "epoch %d did not complete: %lld of %d ranks joined within %.1f s", epoch,
+             (long long)joined, world, cfg_bound);
+    fallback(&ri, msg);
+  }
+  int64_t bad = 0;
+  key(k, sizeof k, "bad", epoch, -1);
+  if (ji_store_add(k, 0, &bad, 5.0)) fallback(&ri, "the store is unreachable");
+  if (bad > 0) fallback(&ri, "another rank cannot recover in place");
+  ri.t_agree = ji_now();
+
+  /* Re-create. */
+  int rc = jitintercept_recreate_handles(0);
+  if (rc < 0) fallback(&ri, "re-creating streams/events failed");
+  if (reinit_comms(&cs, epoch, deadline, &why)) fallback(&ri, why);
+  ri.t_reinit = ji_now();
+
+  /* Replay the minibatch up to the fault; wait (bounded) for it. */
+  int nrec = 0;
+  rc = ji_replay_run(end, &nrec, deadline);
+  ri.replayed = nrec;
+  if (rc == -3) fallback(&ri, "second fault: the replay did not complete within the bound");
+  if (rc) {
+    static char msg[120];
+    snprintf(msg, sizeof msg, "replay failed with status %d", rc);
+    fallback(&ri, msg);
+  }
+  /* The replay may have left this thread inside the open group again (that
+   * is where the failed call was): the caller re-issues the failed call. */
+  ri.t_replay = ji_now();
+  local_epoch = epoch;
+  key(k, sizeof k, "done", epoch, -1);
+  ji_store_add(k, 1, NULL, 2.0);
+  ji_wd_reset();
+  atomic_fetch_add(&n_recovered, 1);
+  emit(&ri);
+  ji_wd_rearm_after_recovery();
+  tls_coord = 0;
+  atomic_store(&busy, 0);
+  gate_down();
+  return 0;
+}
+
+/* After a blocking call: 1 = the call must be redone (a recovery happened
+ * meanwhile, or this call's result revealed a fault that was recovered). */
+int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
+  if (tls_coord) return 0;
+  if (atomic_load(&ji_rcv_gen) != gen || atomic_load(&ji_rcv_active)) {
+    ji_park_enter();
+    gate_wait();
+    ji_park_exit();
+    return 1;
+  }
+  if (sticky_cuda(cuda_rc)) {
+    ji_fault f = {.kind = "cuda_error", .source = "call", .code = cuda_rc, .coll = -1};
+    ji_rcv_run(&f, 0);
+    return 0;
+  }
+  if (cuda_rc == cudaSuccess && check_nccl) {
+    int rank = -1;
+    int e = ji_wd_comm_async_error(&rank);
+    if (e) {
+      ji_fault f = {.kind = "nccl_async_error", .source = "ncclCommGetAsyncError", .code = e, .coll = -1};
+      ji_rcv_run(&f, 0);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* A CUDA call returned an error >= 700 (any hook, through CALL). */
+void ji_rcv_cuda_error(int rc) {
+  if (tls_coord || !sticky_cuda(rc)) return;
+  ji_fault f = {.kind = "cuda_error", .source = "call", .code = rc, .coll = -1};
+  ji_rcv_run(&f, 0);
+}
+
+/* A collective/group call returned an NCCL error on this thread. 1 = retry it. */
+int ji_rcv_nccl_error(int id, int rc) {
+  if (!ji_rcv_mode || tls_coord) return 0;
+  if (rc == ncclInvalidArgument || rc == ncclInvalidUsage) {
+    /* A recovery elsewhere may have invalidated the handle under us. */
+    if (atomic_load(&ji_rcv_active)) {
+      ji_rcv_gate();
+      return 1;
+    }
+    return 0;
+  }
+  ji_fault f = {.kind = rc == ncclUnhandledCudaError ? "cuda_error" : "nccl_error", .source = "call", .code = rc,
+                .coll = id};
+  if (rc == ncclUnhandledCudaError) f.code = 700;
+  ji_rcv_run(&f, ji_wd_group_depth() > 0);
+  return 1;
+}
+
+/* Watchdog thread, while a collective is pending: has another rank started
+ * the next epoch? */
+static void check_store(int force) {
+  static _Atomic double last;
+  double now = ji_now();
+  if ((!force && now - atomic_load(&last) < 0.02) || !ji_store_available()) return;
+  atomic_store(&last, now);
+  char k[300];
+  key(k, sizeof k, "start", local_epoch + 1, -1);
+  if (ji_store_check(k, 2.0) == 1) {
+    if (atomic_load(&ji_open_groups) > 0) return; /* retried next poll */
+    ji_fault f = {.kind = "peer", .source = "store", .code = 0, .coll = -1};
+    ji_rcv_run(&f, 0);
+  }
+}
+void ji_rcv_poll_store(void) { check_store(0); }
+
+/* ---------------- phase marks ---------------- */
+static void sync_nccl_stream(ji_vh *v, void *p) {
+  (void)p;
+  if (atomic_load(&v->sflags) & JI_VH_NCCL) cudaStreamSynchronize((cudaStream_t)ji_vh_app(v));
+}
+
+/* Waits for the work on every NCCL stream through the hooked synchronize
+ * (so a fault found there is recovered, or falls back, like any other). */
+void ji_rcv_quiesce(void) {
+  for (int i = 0; i < 3; i++) {
+    ji_vh_foreach_all(JI_VK_STREAM, sync_nccl_stream, NULL);
+    void *nv[32];
+    int n = 0;
+    ji_nccl_nv_streams(nv, &n, 32);
+    for (int j = 0; j < n; j++) cudaStreamSynchronize((cudaStream_t)nv[j]);
+    int rank;
+    int e = ji_wd_comm_async_error(&rank);
+    if (!e) break;
+    ji_fault f = {.kind = "nccl_async_error", .source = "ncclCommGetAsyncError", .code = e, .coll = -1};
+    ji_rcv_run(&f, 0);
+  }
+}
+
+JI_API void jitintercept_optimizer_begin(void) {
+  atomic_store(&opt_ever, 1);
+  /* The minibatch's collectives must be known good before parameters
+   * change: wait for them here (a fault found now is still replayable). */
+  if (ji_rcv_mode) {
+    ji_rcv_quiesce();
+    /* A rank that was stalled (stopped, descheduled) may have completed this
+     * minibatch's collectives while its peers were already recovering (their
+     * contributions were in place before they aborted): one store query per
+     * step makes it join their epoch now, while the replay is still valid. */
+    check_store(1);
+  }
+  atomic_store(&ji_opt_in_mb, 1);
+  atomic_store(&ji_opt_phase, 1);
+}
+
+JI_API void jitintercept_optimizer_end(void) { atomic_store(&ji_opt_phase, 0); }
+
+JI_API int jitintercept_recover_mode(void) { return ji_rcv_mode; }
+JI_API uint64_t jitintercept_recoveries(void) { return atomic_load(&n_recovered); }
