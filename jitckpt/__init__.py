@@ -1,11 +1,22 @@
 """jitckpt: just-in-time checkpointing for PyTorch distributed training.
 
-Public API: ``register(save_fn, *, shard=None)``, ``get_checkpoint_path()`` and,
-inside save_fn, ``checkpoint_step()``.
+Public API: ``resumable(model=..., optimizer=..., ...)`` (one call, no save_fn),
+or for full control ``register(save_fn, *, shard=None)``, ``get_checkpoint_path()``
+and, inside save_fn, ``checkpoint_step()``.
 Launch with ``jitrun`` (a drop-in for ``torchrun``).
 """
 
 from .api import checkpoint_step, get_checkpoint_path, register
 from .config import EXIT_NOT_SAVED, EXIT_SAVED
 
-__all__ = ["register", "get_checkpoint_path", "checkpoint_step", "EXIT_SAVED", "EXIT_NOT_SAVED"]
+__all__ = ["resumable", "register", "get_checkpoint_path", "checkpoint_step", "EXIT_SAVED", "EXIT_NOT_SAVED"]
+
+
+def __getattr__(name: str):
+    # resume imports torch at module level; jitrun imports this package too and
+    # must not pay torch's import time, so ``resumable`` is loaded on first use.
+    if name == "resumable":
+        from .resume import resumable
+
+        return resumable
+    raise AttributeError(f"module 'jitckpt' has no attribute {name!r}")

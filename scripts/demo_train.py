@@ -14,6 +14,10 @@ minibatch exactly:
 
 save_fn does no collective and writes into the directory it is given.
 
+With ``--resumable`` the same training uses ``jitckpt.resumable(...)``
+instead (``train_resumable``): no save_fn, no restore code, no RNG snapshot;
+``--loader-workers N`` reads the batches through a shuffling DataLoader.
+
 Run under jitrun (see `make demo`), or plain torchrun / python: jitckpt then
 does nothing.
 """
@@ -76,7 +80,15 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="periodic baseline: rank 0 saves to --ckpt-dir every N steps (0 = never)")
     ap.add_argument("--ckpt-dir", default=None)
+    ap.add_argument("--resumable", action="store_true",
+                    help="use jitckpt.resumable(...) (one call, no save_fn) instead of register(save_fn)")
+    ap.add_argument("--loader-workers", type=int, default=None,
+                    help="with --resumable: read batches through a shuffling DataLoader with this many workers "
+                         "(epochs of --epoch-batches minibatches) instead of generating batch i from (seed, i)")
+    ap.add_argument("--epoch-batches", type=int, default=5)
     args = ap.parse_args()
+    if args.loader_workers is not None and not args.resumable:
+        ap.error("--loader-workers needs --resumable (the register path has no data-position code)")
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -91,6 +103,9 @@ def main() -> None:
     ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    if args.resumable:
+        train_resumable(args, rank, model, ddp, opt, sched)
+        return
     cursor = {"step": 0, "rng": torch.get_rng_state()}
 
     def write_state(ckpt_dir: str, step: int) -> None:
@@ -146,6 +161,62 @@ def main() -> None:
             print(f"[rank 0] periodic checkpoint at step {step + 1}", flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
+    if args.final_barrier:
+        dist.barrier()
+    if rank == 0:
+        print(f"[rank 0] trained {args.steps - start} steps in {time.time() - t0:.2f}s", flush=True)
+        if args.out:
+            tmp = args.out + ".tmp"
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp)
+            os.replace(tmp, args.out)
+    dist.destroy_process_group()
+
+
+def train_resumable(args: argparse.Namespace, rank: int, model: nn.Module, ddp: DDP,
+                    opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """The same training with the one call: no save_fn, no restore code, no
+    RNG snapshot. jitckpt restores model, optimizer, scheduler and the
+    counters in ``state`` here, and the RNG and the loader's position at the
+    first resumed minibatch."""
+    loader = None
+    if args.loader_workers is not None:
+        # A shuffling loader whose order comes from the global RNG (RandomSampler
+        # without a generator): the hardest case for an exact mid-epoch resume.
+        n = args.epoch_batches * args.batch
+        xs, ys = zip(*(batch(args.seed + 1, i, rank, 1, args.seq, args.vocab) for i in range(n)), strict=True)
+        data = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+        loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True,
+                                             num_workers=args.loader_workers)
+    state = jitckpt.resumable(model=ddp, optimizer=opt, scheduler=sched, dataloader=loader,
+                              state={"epoch": 0, "step": 0})
+    start = state["step"]
+
+    def train_step(step: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        logits = ddp(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        state["step"] = step + 1  # counters are read at the next minibatch's start
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
+
+    t0 = time.time()
+    if loader is None:
+        for step in range(start, args.steps):
+            train_step(step, *batch(args.seed, step, rank, args.batch, args.seq, args.vocab))
+    else:
+        epoch = state["epoch"]
+        while state["step"] < args.steps:
+            state["epoch"] = epoch
+            for x, y in loader:
+                if state["step"] >= args.steps:
+                    break
+                train_step(state["step"], x, y)
+            epoch += 1
     if args.final_barrier:
         dist.barrier()
     if rank == 0:

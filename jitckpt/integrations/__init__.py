@@ -1,0 +1,1 @@
+"""Adapters of ``jitckpt.resumable`` for training frameworks (imported on demand)."""
