@@ -35,6 +35,9 @@ def install() -> Runtime:
         hooks.install(rt)
         rt.install_signal_watch()
         _attach_intercept(rt)
+        from . import ec_snapshot  # --jit-ec-every N (issue 12): nothing happens when N is 0
+
+        ec_snapshot.install(rt)
     elif rt.cfg.fault_spec:
         # Fault injection alone, e.g. a plain torchrun baseline started with
         # `torchrun ... -m jitckpt._bootstrap train.py`: no detection, no saves.
@@ -107,6 +110,12 @@ def get_checkpoint_path() -> str | None:
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():
         return None
+    if os.environ.get("JITCKPT_RESTORE_SOURCE") == "ec":
+        # the job chose an EC snapshot (issue 12): decode it into the layout here (collective over the
+        # ranks; sets JITCKPT_RESTORE_STEP to the EC step, or to the fallback), then the normal path below
+        from . import ec_restore
+
+        ec_restore.restore(rt)
     replicas, rejected = layout.scan(cfg.root, cfg.job_id or None)
     for path, why in rejected:
         print(f"[jitckpt] rank {cfg.rank}: ignoring {path}: {why}", file=sys.stderr)

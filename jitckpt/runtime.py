@@ -120,7 +120,7 @@ class Runtime:
         # position at each minibatch start, before a deferred save that needs the snapshot
         self.on_minibatch_start: Callable[[], None] | None = None
         # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
-        self.on_snapshot: Callable[[], None] | None = None
+        self.on_snapshot: Callable[..., None] | None = None
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
         self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)
         self.step_read = False  # save_fn asked checkpoint_step() during this save
@@ -141,6 +141,7 @@ class Runtime:
     def report(self, event: str, **fields) -> None:
         if self.reporter is None:
             return
+        fields.setdefault("attempt", self.cfg.attempt)  # the agent keeps per-round facts per attempt
         try:
             self.reporter.send(event, **fields)
         except Exception as e:  # the launcher may be gone; never mask the real failure
@@ -184,7 +185,7 @@ class Runtime:
         if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
             self.on_minibatch_start()
         if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot()
+            self.on_snapshot(False)
         if self.deferred is not None:
             self._save_deferred()
         if self.phase is not Phase.FWD:
@@ -198,7 +199,7 @@ class Runtime:
         if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
             self.on_minibatch_start()
         if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot()
+            self.on_snapshot(False)
         if self.deferred is not None:
             self._save_deferred()
         with self._lock:
@@ -237,7 +238,7 @@ class Runtime:
         if self.on_minibatch_start is not None and self.phase is Phase.POST:
             self.on_minibatch_start()
         if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot()
+            self.on_snapshot(True)  # maybe not a minibatch start (a barrier after the loop)
         if self.deferred is not None:
             self._save_deferred(post_step=self.phase is Phase.POST)
         if self.phase is Phase.POST:

@@ -42,7 +42,7 @@ from jitckpt import layout
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
-from . import decide, rdzv, scheduler, transfer
+from . import decide, rdzv, scheduler, transfer, warm
 from .events import EventLog
 from .wakeup import Wakeup
 
@@ -176,12 +176,15 @@ class JitAgent(LocalElasticAgent):
 
     def _absorb(self, m: dict) -> None:
         ev, rank = m["event"], m.get("rank")
+        if ev in ("loaded", "started") and m.get("attempt", self._round) != self._round:
+            return  # a report of an earlier round read late (this round's facts only)
         if ev == "registered":
             self._shards[rank] = m["shard"]
             return
         if ev == "finished":
             self._finished.add(rank)
-            if m.get("loaded") is not None and self._loaded.get(rank) is None:
+            if m.get("loaded") is not None and self._loaded.get(rank) is None \
+                    and m.get("attempt", self._round) == self._round:
                 self._loaded[rank] = m["loaded"]
             if self._pending is not None:
                 # restored after the last minibatch (e.g. a save at a barrier
@@ -273,6 +276,10 @@ class JitAgent(LocalElasticAgent):
             return
         self._decision = d
         os.environ["JITCKPT_RESTORE_STEP"] = "none" if d.step is None else str(d.step)
+        # --- issue 12: an EC version was chosen: the workers decode it, d.step stays their fallback ---
+        decide.ec_env(d, os.environ)
+        self._jit_env_keys |= {"JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"}
+        # --- end issue 12 ---
         if d.step is None:
             return
         need = sorted({d.shard_of_rank.get(str(r)) for r in self._local_ranks} - {None}) or d.shards
@@ -296,10 +303,10 @@ class JitAgent(LocalElasticAgent):
     def close(self) -> bool:
         """End the replica server thread before the interpreter exits; False
         if it would not stop (the caller then leaves with os._exit)."""
-        self._wakeup.close()
+        woke = self._wakeup.close()
         if self._server is None or self._coord is None:
-            return True
-        return self._server.stop(self._coord.store)
+            return woke
+        return self._server.stop(self._coord.store) and woke
 
     def _on_spare(self, n: int) -> None:
         if not self._spare_seen:
@@ -349,8 +356,11 @@ class JitAgent(LocalElasticAgent):
 
     def _set_local_rank_env(self, worker_env: dict, local_rank: int, spec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        # Forked (warm) workers carry the environment of job start; what jitrun
-        # changed since (restore step, scheduler placement) goes in explicitly.
+        # Forked (warm) workers carry the environment of the fork server's
+        # start; what jitrun changed since (the shared job token, restore
+        # step, scheduler placement) goes in explicitly.
+        for k, v in warm.changed_env().items():
+            worker_env.setdefault(k, v)
         for k in self._jit_env_keys:
             if k in os.environ:
                 worker_env[k] = os.environ[k]
@@ -549,6 +559,10 @@ class JitAgent(LocalElasticAgent):
             if step is not None and any(src.get("saved_at", 0.0) >= f.detected_t - 1.0
                                         for srcs in d.sources.values() for src in srcs):
                 jit_steps.add(step)
+            # --- issue 12: an EC snapshot chosen job-wide replaces an older (or no) replica step ---
+            if d.source == "ec":
+                step = d.ec_step
+            # --- end issue 12 ---
         if step is None and not self._shards:
             # drop-in: the script restarts as it would under torchrun, on its own checkpoints if it has any
             self._events.emit("no_jit_checkpoint", fallback_step=None, why="no save_fn registered")
@@ -594,6 +608,11 @@ class JitAgent(LocalElasticAgent):
         if won.lost:
             print(f"jitrun: node(s) {', '.join(n['addr'] for n in won.lost)} did not answer after the failure; "
                   "taken as lost", flush=True)
+        # --- issue 12 (EC snapshots): which source the restart uses, why not a better one, steps lost ---
+        if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
+            self._events.emit("restore_source", **decide.source_event(won, f.progress))
+            print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
+        # --- end issue 12 ---
         return won
 
     # -- restart ----------------------------------------------------------------

@@ -89,7 +89,39 @@ def _parser():
                    help="fork workers from a server that has torch imported, so a restart does not pay for "
                         "Python and torch start-up (default on; off: fresh `python -u` processes like "
                         "torchrun; never with --no-python, --run-path or libintercept)")
+    g.add_argument("--jit-ec-every", type=int, default=0, metavar="N",
+                   help="every N minibatches, an erasure-coded snapshot of every rank's save_fn state in the "
+                        "nodes' /dev/shm: the fallback when no replica can take the JIT checkpoint (default 0 = off)")
+    g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
+                   help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
+                        "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec_pack.default_code)")
     return p
+
+
+def _check_ec(args) -> str | None:
+    """--jit-ec-every / --jit-ec-code (issue 12)."""
+    every = getattr(args, "jit_ec_every", 0)
+    if every < 0:
+        return f"--jit-ec-every {every}: expected a number of minibatches >= 0 (0 = no EC snapshots)"
+    from jitckpt import ec_pack, ec_snapshot
+
+    try:
+        code = ec_snapshot.parse_code(getattr(args, "jit_ec_code", "auto"))
+    except ValueError as e:
+        return f"--jit-ec-code: {e}"
+    if code is None or not every:
+        return None
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        lo, hi = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        return None  # _check_sizes says what is wrong with --nnodes
+    k, m = code
+    if lo == hi and hi > 1 and ec_pack.max_node_losses(hi, k, m) == 0:
+        return (f"--jit-ec-code {k}+{m} on {hi} nodes survives no node loss (a node would hold more than {m} "
+                f"chunk(s) of a stripe); use a larger M or omit it for {'+'.join(map(str, ec_pack.default_code(hi)))}")
+    return None
 
 
 def _check_seconds(flag: str, value: float | None) -> str | None:
@@ -147,6 +179,7 @@ def check_args(args) -> str | None:
     err = (_check_seconds("--jit-timeout", args.jit_timeout)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
            or _check_sizes(args)
+           or _check_ec(args)
            or _check_program(args))
     if err:
         return err
@@ -248,6 +281,11 @@ def run(args) -> int:
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
     os.environ.pop("JITCKPT_RESTORE_STEP", None)
+    # EC snapshots (issue 12): workers read these; 0 = off, nothing of it runs
+    os.environ.update({"JITCKPT_EC_EVERY": str(getattr(args, "jit_ec_every", 0)),
+                       "JITCKPT_EC_CODE": getattr(args, "jit_ec_code", "auto")})
+    for k in ("JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"):
+        os.environ.pop(k, None)
     intercept = _want_intercept(args.jit_intercept)
     if intercept:
         lib = _intercept_lib()

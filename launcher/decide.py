@@ -53,6 +53,11 @@ class Decision:
     # every shard has a replica that finished the job (its work is done; the
     # failure came after that replica's last minibatch): nothing to restart
     complete: bool = False
+    # issue 12: where the restart's state comes from: "replica" (``step``), "ec" (``ec_step``, decoded
+    # by the restarted ranks from peers' /dev/shm chunks; ``step`` stays the fallback) or "fresh"
+    source: str = "replica"
+    ec_step: int | None = None
+    ec: dict | None = None  # the chosen EC version (k, m, ...) and why newer sources were not used
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -69,7 +74,13 @@ def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = froz
     good, _bad = layout.scan(root, job_id)
     reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
              "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
-    return {**asdict(node), "replicas": reps, "finished": sorted(finished)}
+    from jitckpt import ec_snapshot
+
+    # the EC chunks and commit records in this node's /dev/shm (the agent shares its workers' mounts)
+    inv = {**asdict(node), "replicas": reps, "finished": sorted(finished)}
+    if ec_snapshot.enabled():  # --jit-ec-every 0: the inventory (and the decision) are as without EC
+        inv["ec"] = ec_snapshot.scan_node(job_id)
+    return inv
 
 
 def all_shards_finished(shard_of_rank: dict[str, str], finished: set, shards) -> bool:
@@ -103,8 +114,35 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
     complete = all_shards_finished(shard_of_rank, {r for i in inventories for r in i.get("finished", ())}, shards)
     if complete:
         why = "every shard has a replica that finished the job"
-    return Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
-                    nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete)
+    d = Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
+                 nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete)
+    if not complete:
+        choose_source(d, inventories)
+    return d
+
+
+def choose_source(d: Decision, inventories: list[dict]) -> None:
+    """Issue 12's recovery order: a replica checkpoint (this failure's JIT checkpoint is the newest step
+    there is, so it wins any tie); else the newest committed EC version decodable from the nodes that
+    answered, when newer than the newest persistent replica; else that replica; else a fresh start."""
+    from jitckpt import ec_snapshot
+
+    d.source = "replica" if d.step is not None else "fresh"
+    ecs = [i["ec"] for i in inventories if i.get("ec") is not None]
+    if not ecs:
+        return  # EC snapshots off: the decision is exactly the replica one (d.ec stays None)
+    world = len(d.shard_of_rank) or None
+    ver, rejected = ec_snapshot.choose_version(ecs, world)
+    if ver is not None and (d.step is None or ver["step"] > d.step):
+        d.source, d.ec_step = "ec", ver["step"]
+        d.ec = {**ver, "rejected": rejected}
+        d.why = (f"no replica checkpoint newer than EC step {ver['step']} "
+                 f"({'newest replica step ' + str(d.step) if d.step is not None else 'none at all'}); "
+                 f"newest committed EC snapshot decodable from the {len(inventories)} node(s) that answered "
+                 f"({ver['k']}+{ver['m']})")
+        return
+    d.ec = {"rejected": rejected + ([f"EC step {ver['step']} is not newer than replica step {d.step}"]
+                                    if ver is not None else [])}
 
 
 class Coordinator:
@@ -179,3 +217,43 @@ class Coordinator:
     def latest(self) -> Decision | None:
         key = self._k("decision")
         return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+
+
+# -- issue 12: EC snapshots as a restore source ---------------------------------------------------------
+
+
+def ec_env(d: Decision, env) -> None:
+    """What the workers need to restore an EC choice: JITCKPT_RESTORE_STEP=<EC step>,
+    JITCKPT_RESTORE_SOURCE=ec and, if the decode fails job-wide, JITCKPT_EC_FALLBACK_STEP (the replica
+    step, fetched to this node as for any restore, or "none"). Cleared for any other source."""
+    if d.source == "ec" and d.ec_step is not None:
+        env["JITCKPT_EC_FALLBACK_STEP"] = "none" if d.step is None else str(d.step)
+        env["JITCKPT_RESTORE_STEP"] = str(d.ec_step)
+        env["JITCKPT_RESTORE_SOURCE"] = "ec"
+    else:
+        env.pop("JITCKPT_RESTORE_SOURCE", None)
+        env.pop("JITCKPT_EC_FALLBACK_STEP", None)
+
+
+def source_event(d: Decision, progress: int = -1) -> dict:
+    """The ``restore_source`` event: source, step, why, why the better sources were not used, steps lost."""
+    step = d.ec_step if d.source == "ec" else d.step
+    not_used = []
+    if d.source != "replica":
+        not_used.append(f"JIT/replica checkpoint: {d.why if d.source == 'fresh' else 'none newer (see why)'}")
+    if d.source != "ec":
+        not_used.extend((d.ec or {}).get("rejected", []))
+    lost = None if progress < 0 else max(progress + 1 - (step or 0), 0)
+    return {"source": d.source, "step": step, "why": d.why, "not_used": not_used, "minibatches_lost": lost,
+            "ec": {k: v for k, v in (d.ec or {}).items() if k != "rejected"} or None}
+
+
+def source_line(d: Decision, progress: int = -1) -> str:
+    ev = source_event(d, progress)
+    lost = f"; {ev['minibatches_lost']} minibatch(es) to redo" if ev["minibatches_lost"] is not None else ""
+    if d.source == "ec":
+        return f"restoring from the erasure-coded snapshot of step {d.ec_step} in the nodes' memory ({d.why}){lost}"
+    if d.source == "replica":
+        return f"restoring from the replica checkpoint of step {d.step}{lost}"
+    return ("NO CHECKPOINT of any kind to restore (no replica on the nodes that answered; EC: "
+            + ("; ".join(ev["not_used"][1:]) or "no snapshots") + "): the job RESTARTS FROM SCRATCH" + lost)

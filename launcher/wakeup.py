@@ -14,13 +14,17 @@ Threads: the agent's main thread calls ``wait``/``watch``/``close``; the
 ``jitrun-report-waiter`` thread only blocks on its own store connection and
 writes one byte to the pipe. Shared state: ``_stop`` (an Event) and the pipe;
 no locks. The waiter's store wait has no short timeout (each expiry logs a
-C++ warning); to end it, the main thread sets ``_stop`` and writes a
-``_wake`` report through the ordinary protocol (a claimed slot, which every
-reader skips), so the waiter returns at once.
+C++ warning); to end it at the end of the job, the main thread sets ``_stop``
+and fills the slot the waiter waits on with a ``_wake`` record if that slot
+is still empty (compare_set: never over a real report; readers skip it), so
+the waiter returns at once even when that slot's writer died between its two
+calls. A thread still inside a store call when the interpreter exits aborts
+the process, so ``close`` says whether the waiter ended.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import threading
@@ -43,16 +47,21 @@ class Wakeup:
         self._stop = threading.Event()
         self._watching: tuple[str, int] | None = None
         self._token: str | None = None
+        self._next = 0  # the slot the waiter waits on (written by the waiter only)
+        self._old: list[threading.Thread] = []  # waiters of earlier store addresses
 
     # -- reports ------------------------------------------------------------
 
     def watch(self, store_addr: tuple[str, int], token: str) -> None:
         """Wake on every report written to the workers' store at
-        ``store_addr`` from now on (a new address replaces the old watch)."""
+        ``store_addr`` from now on (a new address replaces the old watch; the
+        old waiter ends at its next wake-up or when its store goes away)."""
         if store_addr == self._watching:
             return
-        self._stop_thread()
+        self._stop.set()
+        self._old = [t for t in [*self._old, self._thread] if t is not None and t.is_alive()]
         self._watching, self._token = store_addr, token
+        self._next = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store_addr, token, self._stop),
                                         name="jitrun-report-waiter", daemon=True)
@@ -68,6 +77,8 @@ class Wakeup:
         except Exception:
             return  # the store is gone (job ending); the timeout path still works
         while not stop.is_set():
+            if stop is self._stop:  # an earlier address's waiter does not steer the current one
+                self._next = nxt
             try:
                 # the slot is set once its writer finished the report
                 store.wait([f"{ns}/r/{nxt}"], timedelta(seconds=WAIT_S))
@@ -125,22 +136,29 @@ class Wakeup:
 
     # -- end ----------------------------------------------------------------
 
-    def _stop_thread(self) -> None:
+    def _stop_thread(self) -> bool:
         if self._thread is None:
-            return
+            return True
         self._stop.set()
-        if self._watching is not None and self._token is not None:
+        if self._watching is not None and self._token is not None and self._next:
             try:
-                from jitckpt.report import Reporter, connect
+                from jitckpt.report import connect
 
-                Reporter(connect(*self._watching, timeout_s=2.0), self._token, rank=None).send(WAKE)
+                key = f"{namespace(self._token)}/r/{self._next}"
+                connect(*self._watching, timeout_s=2.0).compare_set(key, "", json.dumps({"event": WAKE}))
             except Exception:
                 pass  # the store is gone: the waiter's wait has failed already
         self._thread.join(timeout=2.0)
+        stopped = not self._thread.is_alive()
         self._thread = None
+        return stopped
 
-    def close(self) -> None:
-        self._stop_thread()
+    def close(self) -> bool:
+        """End the waiter; False if a thread is still inside a store call."""
+        stopped = self._stop_thread()
+        for t in self._old:
+            t.join(timeout=0.5)
+        stopped = stopped and not any(t.is_alive() for t in self._old)
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds.clear()
@@ -149,3 +167,4 @@ class Wakeup:
                 os.close(fd)
             except OSError:
                 pass
+        return stopped

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import sys
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "jitckpt._bootstrap",
@@ -34,10 +35,24 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "
            "jitckpt.consistency"]
 
 
+_server_env: dict[str, str] | None = None
+
+
 def start_server() -> None:
     """Start the forkserver now so its imports overlap the rendezvous."""
+    global _server_env
+    _server_env = dict(os.environ)
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def changed_env() -> dict[str, str]:
+    """What jitrun set in its environment after the server started (the job
+    token shared through the rendezvous, a scheduler placement, ...): a forked
+    worker would otherwise see the server's values. Empty without a server."""
+    if _server_env is None:
+        return {}
+    return {k: v for k, v in os.environ.items() if _server_env.get(k) != v}
 
 
 def worker_main(*argv: str) -> None:
@@ -46,6 +61,12 @@ def worker_main(*argv: str) -> None:
     # `python -u` would have made these unbuffered; the fork inherited buffered ones
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    # A forkserver child inherits "forkserver" as its default start method;
+    # a fresh `python` has the platform's. Under the inherited one, the
+    # script's own processes (DataLoader workers) would be children of a
+    # fork server the rank starts, which outlives a killed rank, so they
+    # would never see their parent die and never exit.
+    multiprocessing.set_start_method(None, force=True)
     from jitckpt import _bootstrap
 
     sys.argv = ["jitckpt._bootstrap", *argv]

@@ -1,0 +1,486 @@
+"""Erasure-coded in-memory snapshots on peer nodes (issue 12, items 2-3): the worker's snapshot side and
+the node inventory the launcher's decision reads.
+
+Every ``JITCKPT_EC_EVERY`` minibatches, at the start of a minibatch (``Runtime.on_snapshot``, called where the
+state is consistent), the registered save_fn writes into a private tmpfs staging directory; a background thread
+packs it (``ec_pack.pack_dir``), encodes it with ``ec.Codec(k, m)`` and places the k + m chunks of this rank's
+stripe on distinct nodes' ``/dev/shm/jitckpt-<job>/ec/`` over a gloo group of its own (``ec_group``), so a chunk
+outlives the worker processes and any m node losses leave every stripe decodable.
+
+A version (= the step) becomes current only when every chunk of every rank is in place: each rank writes a
+commit record on its node after an all-gather of "placed" flags on the EC group, and only after a second
+all-gather ("committed everywhere") the older version is dropped, so at most two versions exist and the newest
+committed one is decodable whatever moment a failure strikes.
+
+Never blocks or fails training: the main thread only runs save_fn (as a JIT save would) and enqueues; all ranks
+enqueue one item per due step (a skipped one as ``None``) so the background threads stay in lockstep, and a
+version any rank could not stage is dropped by all; an error in the EC path is logged and disables it for this
+process (the job keeps training, the last committed version stays).
+
+This module imports no torch at import time: the launcher uses ``scan_node`` / ``choose_version``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import ec_pack, layout
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+ENV_EVERY = "JITCKPT_EC_EVERY"
+ENV_CODE = "JITCKPT_EC_CODE"  # "K+M" or "auto" (default_code of the node count)
+ENV_SHM = "JITCKPT_EC_SHM"  # base directory instead of /dev/shm (tests simulating several nodes on one host)
+ENV_SOURCE = "JITCKPT_RESTORE_SOURCE"  # "ec": get_checkpoint_path decodes JITCKPT_RESTORE_STEP from chunks
+ENV_FALLBACK = "JITCKPT_EC_FALLBACK_STEP"  # what to load if the EC decode fails job-wide ("none" = fresh)
+
+_CHUNK_RE = re.compile(r"^(?P<job>[A-Za-z0-9._-]+)\.s(?P<step>\d+)\.r(?P<rank>\d+)\.t(?P<stripe>\d+)"
+                       r"\.c(?P<index>\d+)\.chunk$")
+_COMMIT_RE = re.compile(r"^(?P<job>[A-Za-z0-9._-]+)\.s(?P<step>\d+)\.r(?P<rank>\d+)\.commit\.json$")
+
+
+def log(msg: str) -> None:
+    print(f"[jitckpt] {msg}", file=sys.stderr, flush=True)
+
+
+def enabled(env=os.environ) -> bool:
+    """jitrun was given --jit-ec-every N > 0 (the agent and its workers share the variable)."""
+    try:
+        return int(env.get(ENV_EVERY) or 0) > 0
+    except ValueError:
+        return False
+
+
+def parse_code(text: str | None) -> tuple[int, int] | None:
+    """``"K+M"`` -> (k, m); ``""``/``"auto"`` -> None (fit to the node count). ValueError with the fix."""
+    if text is None or text.strip() in ("", "auto"):
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*", text)
+    if not m:
+        raise ValueError(f"EC code {text!r}: expected K+M, e.g. 2+1 (K data chunks, M parity chunks)")
+    k, mm = int(m.group(1)), int(m.group(2))
+    if k < 1 or k + mm > 255:
+        raise ValueError(f"EC code {text!r}: need K >= 1 and K + M <= 255")
+    return k, mm
+
+
+def shm_base() -> Path:
+    return Path(os.environ.get(ENV_SHM) or "/dev/shm")
+
+
+def job_root(job_id: str, base: Path | None = None) -> Path:
+    """This job's private tmpfs directory: the job key in the name, so a job never reads another's chunks."""
+    return (base or shm_base()) / f"jitckpt-{ec_pack.job_key(job_id)}"
+
+
+def ec_dir(job_id: str, base: Path | None = None) -> Path:
+    return job_root(job_id, base) / "ec"
+
+
+def commit_name(job_id: str, step: int, rank: int) -> str:
+    return f"{ec_pack.job_key(job_id)}.s{step}.r{rank}.commit.json"
+
+
+# -- node inventory (launcher side: no torch) ------------------------------------------------------------
+
+
+def scan_node(job_id: str, base: Path | None = None) -> dict:
+    """The EC state this node holds: commit records (parsed) and chunk files (from names and sizes only;
+    payload checksums are verified by the restarted ranks, a bad chunk then counts as lost)."""
+    d = ec_dir(job_id, base)
+    key = ec_pack.job_key(job_id)
+    commits: dict[int, dict] = {}
+    chunks: list[list[int]] = []
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return {"commits": [], "chunks": []}
+    for e in entries:
+        if (m := _CHUNK_RE.match(e.name)) and m.group("job") == key:
+            try:
+                size = e.stat().st_size
+            except OSError:
+                continue
+            chunks.append([int(m.group("step")), int(m.group("rank")), int(m.group("stripe")),
+                           int(m.group("index")), size])
+        elif (m := _COMMIT_RE.match(e.name)) and m.group("job") == key:
+            step = int(m.group("step"))
+            if step in commits:
+                continue  # one record per step is enough: they describe the same version
+            try:
+                rec = json.loads(Path(e.path).read_text())
+                if rec.get("job") != key or int(rec["step"]) != step:
+                    continue
+                commits[step] = rec
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return {"commits": [commits[s] for s in sorted(commits)], "chunks": sorted(chunks)}
+
+
+def choose_version(node_ecs: Sequence[dict], world_size: int | None = None) -> tuple[dict | None, list[str]]:
+    """The newest committed version decodable from these nodes' chunks, and why newer ones are not.
+
+    ``node_ecs``: one ``scan_node`` result per surviving node. A version is decodable when some node holds its
+    commit record (every chunk was placed, so the record proves completeness) and every rank's stripe has at
+    least k distinct chunk indices of the recorded size among the surviving nodes.
+    Returns ``({"step", "k", "m", "world_size", "attempt"}, rejected reasons)``.
+    """
+    commits: dict[int, dict] = {}
+    have: dict[tuple[int, int, int], set[int]] = {}  # (step, rank, size) -> chunk indices
+    for inv in node_ecs:
+        for rec in inv.get("commits", ()):
+            commits.setdefault(int(rec["step"]), rec)
+        for step, rank, stripe, index, fsize in inv.get("chunks", ()):
+            if stripe == 0:
+                have.setdefault((step, rank, fsize), set()).add(index)
+    rejected: list[str] = []
+    for step in sorted(commits, reverse=True):
+        rec = commits[step]
+        try:
+            k, m, ws = int(rec["k"]), int(rec["m"]), int(rec["world_size"])
+            stripes = {int(r): s for r, s in rec["stripes"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            rejected.append(f"EC step {step}: malformed commit record ({e!r})")
+            continue
+        if world_size is not None and ws != world_size:
+            rejected.append(f"EC step {step}: taken with {ws} ranks, the job now has {world_size}")
+            continue
+        short = []
+        for r in range(ws):
+            s = stripes.get(r)
+            if s is None:
+                short.append(f"rank {r}: not in the commit record")
+                continue
+            got = len(have.get((step, r, ec_pack.CHUNK_HEADER_SIZE + int(s["csize"])), set()))
+            if got < k:
+                short.append(f"rank {r}: {got} of the {k} chunks needed survive")
+        if short:
+            rejected.append(f"EC step {step} ({k}+{m}) is not decodable from the surviving nodes: "
+                            + "; ".join(short[:4]) + ("; ..." if len(short) > 4 else ""))
+            continue
+        return {"step": step, "k": k, "m": m, "world_size": ws, "attempt": rec.get("attempt")}, rejected
+    if not commits:
+        rejected.append("no committed EC snapshot on the surviving nodes")
+    return None, rejected
+
+
+# -- the EC process group (worker side) ------------------------------------------------------------------
+
+_group_lock = threading.Lock()
+_group: Group | None = None
+
+
+class Group:
+    """A gloo ProcessGroup of its own (not the user's default group), built from the agent's store, with
+    the node topology and the small collectives the EC path needs (on the raw group: it is not registered
+    with torch.distributed, so the ``dist.*`` functions do not take it)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.node = int(os.environ.get("GROUP_RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        attempt = os.environ.get("JITCKPT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+        job = ec_pack.job_key(os.environ.get("JITCKPT_JOB_ID", "job"))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        # the attempt in the prefix: the agent's store outlives a round, this group does not
+        prefix = dist.PrefixStore(f"jitckpt-ec/{job}/{attempt}", store)
+        self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timedelta(seconds=timeout_s))
+        self._store = store  # keep the client alive as long as the group
+        topo = self.allgather_ints([self.node, self.local_rank])
+        self.node_of = [t[0] for t in topo]
+        self.nodes = sorted(set(self.node_of))
+        self.ranks_on: dict[int, list[int]] = {n: sorted(r for r in range(self.world) if self.node_of[r] == n)
+                                               for n in self.nodes}
+
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        import torch
+
+        t = torch.tensor(values, dtype=torch.int64)
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        self.pg.allgather([outs], [t]).wait()
+        return [o.tolist() for o in outs]
+
+    def all_ok(self, ok: bool) -> bool:
+        return all(v[0] for v in self.allgather_ints([int(bool(ok))]))
+
+    def allgather_json(self, obj) -> list:
+        """JSON, never pickle: what peers send is data."""
+        import torch
+
+        raw = json.dumps(obj).encode()
+        n = max(v[0] for v in self.allgather_ints([len(raw)]))
+        t = torch.zeros(n, dtype=torch.uint8)
+        if raw:
+            t[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        self.pg.allgather([outs], [t]).wait()
+        return [json.loads(bytes(o.numpy()).rstrip(b"\0").decode()) for o in outs]
+
+    def leader(self) -> bool:
+        """The lowest rank of this node: the one that deletes on the node's behalf."""
+        return self.ranks_on[self.node][0] == self.rank
+
+
+def ec_group(timeout_s: float) -> Group:
+    """The process's EC group, built on first use (a collective: every rank must get here)."""
+    global _group
+    with _group_lock:
+        if _group is None:
+            _group = Group(timeout_s)
+        return _group
+
+
+def group_timeout() -> float:
+    return max(120.0, 2 * float(os.environ.get("JITCKPT_TIMEOUT") or 120.0))
+
+
+# -- snapshots (worker side) -----------------------------------------------------------------------------
+
+
+class Snapshotter:
+    """Takes the snapshots of one worker process (see the module docstring)."""
+
+    def __init__(self, rt: Runtime, every: int, code: tuple[int, int] | None) -> None:
+        self.rt = rt
+        self.every = every
+        self.code = code
+        self.job = rt.cfg.job_id or "job"
+        self.rank = rt.cfg.rank
+        self.last_step = -1
+        self.disabled = False
+        self.busy = threading.Event()  # the thread is working on a staged snapshot
+        self.committed: int | None = None  # newest version this process saw committed (tests, logs)
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="jitckpt-ec", daemon=True)
+        self._started = False
+
+    # main thread -----------------------------------------------------------------
+
+    def on_snapshot(self, post_step: bool = False) -> None:
+        """At a minibatch start (runtime): every ``every`` steps, save_fn into staging and enqueue.
+
+        ``post_step``: called at a collective after an optimizer step, which may be a barrier after the
+        training loop rather than a minibatch start; as for a JIT save there (runtime._jit_save), the
+        snapshot is only kept if save_fn labelled its state with jitckpt.checkpoint_step()."""
+        rt = self.rt
+        step = rt.steps_done
+        if self.disabled or step <= self.last_step or step == 0 or step % self.every:
+            return
+        if rt.save_fn is None or rt.deferred is not None or rt.saving:
+            return  # a JIT save is coming (it wins) or nothing to save: every rank sees the same
+        self.last_step = step
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        if self.busy.is_set() or not self._q.empty():
+            # the previous snapshot is still on its way: this step's is dropped by every rank (the
+            # "staged" all-gather), training never waits for the EC path
+            self._q.put((step, None))
+            return
+        stage = job_root(self.job) / "stage" / f"r{self.rank}.s{step}"
+        try:
+            old = os.umask(0o077)
+            try:
+                if stage.exists():
+                    shutil.rmtree(stage)
+                layout.makedirs_private(stage)
+                read, rt.step_read = rt.step_read, False
+                rt.save_fn(str(stage))
+                labelled, rt.step_read = rt.step_read, read  # a JIT save keeps its own record
+            finally:
+                os.umask(old)
+            if post_step and not labelled:
+                raise RuntimeError("taken at a collective after an optimizer step and save_fn did not call "
+                                   "jitckpt.checkpoint_step(), so its step label cannot be trusted")
+        except Exception as e:  # never fail training
+            log(f"rank {self.rank}: EC snapshot at step {step} skipped ({type(e).__name__}: {e})")
+            shutil.rmtree(stage, ignore_errors=True)
+            self._q.put((step, None))
+            return
+        self.busy.set()
+        self._q.put((step, stage))
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """At process exit: let the snapshot in flight finish (all ranks end after the same steps)."""
+        if not self._started or self.disabled:
+            return
+        self._q.put(None)
+        self._thread.join(timeout_s)
+
+    # background thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            step, stage = item
+            try:
+                if not self.disabled:
+                    self._version(step, stage)
+            except Exception as e:  # a peer gone, a timeout: the job is failing or EC is broken here
+                self.disabled = True
+                log(f"rank {self.rank}: EC snapshots disabled after an error at step {step} "
+                    f"({type(e).__name__}: {e}); training goes on, the last committed version stays")
+            finally:
+                if stage is not None:
+                    shutil.rmtree(stage, ignore_errors=True)
+                    self.busy.clear()
+
+    def _version(self, step: int, stage: Path | None) -> None:
+        from . import ec as _ec
+
+        g = ec_group(group_timeout())
+        code = self.code or ec_pack.default_code(len(g.nodes))
+        k, m = code
+        buf = None
+        if stage is not None:
+            try:
+                buf, _man = ec_pack.pack_dir(stage, align=k)
+            except Exception as e:
+                log(f"rank {self.rank}: EC snapshot at step {step}: pack failed ({e}); skipped")
+        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0])
+        if not all(s[0] for s in sizes):
+            if self.rank == 0:
+                log(f"EC snapshot at step {step} skipped by every rank: rank(s) "
+                    f"{[r for r, s in enumerate(sizes) if not s[0]]} had none (busy or failed)")
+            return
+        assert buf is not None
+        codec = _ec.Codec(k, m)
+        tolerate = ec_pack.max_node_losses(len(g.nodes), k, m) if len(g.nodes) > 1 else 0
+        d = ec_dir(self.job)
+        layout.makedirs_private(d)
+        if self.committed is None and g.leader():
+            _drop_uncommitted(self.job, d)  # partial versions of an earlier attempt: never mixed with ours
+        chunks = codec.encode(buf)
+        plan = self._plan(g, k, m, tolerate)
+        ok = self._place(g, step, k, m, codec, sizes, chunks, plan, d)
+        if not g.all_ok(ok):
+            log(f"rank {self.rank}: EC snapshot at step {step} not committed: a chunk could not be placed")
+            return
+        shards = g.allgather_json(self.rt.shard)
+        rec = {"job": ec_pack.job_key(self.job), "step": step, "attempt": self.rt.cfg.attempt, "k": k, "m": m,
+               "world_size": g.world, "nodes": len(g.nodes), "tolerate": tolerate, "t": time.time(),
+               "stripes": {str(r): {"size": sizes[r][1], "csize": codec.chunk_size(sizes[r][1]),
+                                    "shard": shards[r]} for r in range(g.world)}}
+        layout.atomic_write_bytes(d / commit_name(self.job, step, self.rank), json.dumps(rec).encode())
+        if not g.all_ok(True):  # every node holds the record before anything older goes
+            return
+        self.committed = step
+        if g.leader():
+            _drop_other_versions(self.job, d, keep=step)
+
+    @staticmethod
+    def _plan(g: Group, k: int, m: int, tolerate: int) -> list[tuple[int, int, int]]:
+        """(owner rank, chunk index, rank that writes it): chunk i of rank r's stripe goes to the node
+        ``placement`` names; on the owner's own node the owner writes it, elsewhere a rank of that node
+        chosen round-robin so that receiving is spread over the node's ranks."""
+        plan = []
+        for r in range(g.world):
+            nodes = ec_pack.placement(g.nodes, k, m, tolerate=tolerate, offset=g.nodes.index(g.node_of[r]))
+            for i, n in enumerate(nodes):
+                ranks = g.ranks_on[n]
+                plan.append((r, i, r if n == g.node_of[r] else ranks[(r + i) % len(ranks)]))
+        return plan
+
+    def _place(self, g: Group, step: int, k: int, m: int, codec, sizes, chunks, plan, d: Path) -> bool:
+        import torch
+
+        me = self.rank
+        recvs = []
+        for r, i, dst in plan:
+            if dst == me and r != me:
+                t = torch.empty(codec.chunk_size(sizes[r][1]), dtype=torch.uint8)
+                recvs.append((r, i, t, g.pg.recv([t], r, i)))
+        sends = []
+        for r, i, dst in plan:
+            if r == me and dst != me:
+                t = torch.frombuffer(chunks[i], dtype=torch.uint8)  # never empty: a pack has a header
+                sends.append((t, g.pg.send([t], dst, i)))
+        ok = True
+
+        def write(r: int, i: int, payload) -> bool:
+            try:
+                tag = ec_pack.ChunkTag(self.job, step, r, 0, i, k, m, sizes[r][1])
+                ec_pack.write_chunk(d, tag, payload)
+                return True
+            except Exception as e:  # /dev/shm full: this version is not committed
+                log(f"rank {me}: EC chunk {i} of rank {r} at step {step} not written: {e}")
+                return False
+
+        for r, i, dst in plan:
+            if r == me and dst == me:
+                ok = write(r, i, chunks[i]) and ok
+        for r, i, t, w in recvs:
+            w.wait()
+            ok = write(r, i, t.numpy()) and ok
+        for _t, w in sends:
+            w.wait()
+        return ok
+
+
+def _versions(job_id: str, d: Path) -> tuple[set[int], list[tuple[int, Path]]]:
+    """Committed steps in ``d`` and every (step, path) of this job's EC files."""
+    key = ec_pack.job_key(job_id)
+    committed, files = set(), []
+    for e in os.scandir(d):
+        m = _CHUNK_RE.match(e.name) or _COMMIT_RE.match(e.name)
+        if m and m.group("job") == key:
+            files.append((int(m.group("step")), Path(e.path)))
+            if e.name.endswith(".commit.json"):
+                committed.add(int(m.group("step")))
+    return committed, files
+
+
+def _drop_uncommitted(job_id: str, d: Path) -> None:
+    committed, files = _versions(job_id, d)
+    for step, p in files:
+        if step not in committed:
+            p.unlink(missing_ok=True)
+
+
+def _drop_other_versions(job_id: str, d: Path, keep: int) -> None:
+    """After version ``keep`` is committed everywhere: the older one goes (and any other left over)."""
+    _committed, files = _versions(job_id, d)
+    for step, p in files:
+        if step != keep:
+            p.unlink(missing_ok=True)
+
+
+_snapshotter: Snapshotter | None = None
+
+
+def install(rt: Runtime) -> Snapshotter | None:
+    """Attach snapshots to the runtime when jitrun asked for them (JITCKPT_EC_EVERY > 0); else nothing."""
+    global _snapshotter
+    try:
+        every = int(os.environ.get(ENV_EVERY) or 0)
+        code = parse_code(os.environ.get(ENV_CODE))
+    except ValueError as e:
+        log(f"EC snapshots off: {e}")
+        return None
+    if every <= 0 or not rt.cfg.managed or not os.environ.get("MASTER_ADDR"):
+        return None
+    import atexit
+
+    snap = Snapshotter(rt, every, code)
+    rt.on_snapshot = snap.on_snapshot
+    atexit.register(snap.drain)
+    _snapshotter = snap
+    return snap

@@ -1,0 +1,130 @@
+"""EC snapshots end to end (issue 12 acceptance) with real torch (gloo) under jitrun.
+
+Every worker of the job is SIGKILLed at the same minibatch start, so no replica can take a JIT checkpoint:
+the job must come back from the newest committed EC snapshot, bit-identical to a failure-free run,
+redoing at most N (--jit-ec-every) minibatches. Multi-node: nodes are network namespaces, each with its
+own private /dev/shm and jit dir (tests/netns.py), which vanish with the node.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import test_multinode
+from conftest import assert_same_state, jitrun
+from netns import Cluster
+from test_multinode import Job
+
+mn_reference = test_multinode.mn_reference  # the failure-free multi-node references (a fixture), shared
+
+EVERY = 4
+STEPS = 24
+KILL_AT = 11  # the forward of minibatch 11: the newest snapshot is step 8, 3 minibatches to redo
+SLEEP = ["--step-sleep", "0.3"]  # time for the step-8 version to commit before the kill, even on a busy host
+
+
+def _kill_all(world: int, step: int = KILL_AT, ranks: range | None = None) -> dict:
+    spec = ";".join(f"rank={r},step={step},phase=forward,kind=sigkill" for r in (ranks or range(world)))
+    return {"JITCKPT_FAULT": spec}
+
+
+def _check_ec_recovery(evs: list[dict], out: str) -> dict:
+    src = [e for e in evs if e["event"] == "restore_source"]
+    assert src and all(e["source"] == "ec" for e in src), (src, out[-4000:])
+    assert {e["step"] for e in src} == {8}, src
+    assert not [e for e in evs if e["event"] == "checkpoint_saved"], "no replica could save: all were killed"
+    restored = [e for e in evs if e["event"] == "ec_restored"]
+    assert restored and {e["step"] for e in restored} == {8}, out[-4000:]
+    rec = [e for e in evs if e["event"] == "recovery"]
+    assert len(rec) == 1 and rec[0]["restore_step"] == 8, rec
+    assert KILL_AT + 1 - rec[0]["restore_step"] <= EVERY  # at most N minibatches redone
+    return src[0]
+
+
+@pytest.mark.slow
+def test_single_node_all_workers_killed(tmp_path, reference, monkeypatch):
+    """One node: the default code is 1+0, a copy in /dev/shm that outlives the processes."""
+    shm = tmp_path / "shm"  # stands for /dev/shm (the agent reads the same variable); removed with tmp_path
+    shm.mkdir(mode=0o700)
+    job = jitrun(tmp_path, nproc=2, steps=STEPS, fault=_kill_all(2)["JITCKPT_FAULT"], timeout_s=5,
+                 extra=["--jit-ec-every", str(EVERY)], train_args=SLEEP, env={"JITCKPT_EC_SHM": str(shm)})
+    assert job.returncode == 0, job.output[-4000:]
+    src = _check_ec_recovery(job.events(), job.output)
+    assert src["ec"]["k"] == 1 and src["ec"]["m"] == 0
+    assert "restoring from the erasure-coded snapshot of step 8" in job.output
+    assert_same_state(reference(2, STEPS), job.out)
+
+
+# Fresh worker processes: with the warm start (the default since 9d513e8) multi-node jobs hang here before their
+# first step, with or without EC (every rank waits in the consistency check for the others' keys; probably the
+# forked workers keep the forkserver's token, not the one shared through the rendezvous) - not EC's to fix.
+WARM = ["--jit-warm-start", "off"]
+WHY = Cluster.unavailable()
+netns = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+
+def _run_job(c: Cluster, fault_env: dict, nodes_to_lose: list[int], replace: bool = True) -> Job:
+    job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY), *WARM], timeout_s=5)
+    job.start_all(env=fault_env)
+    if nodes_to_lose:
+        # minibatch 10 finished on every rank (rank 0 logs it after its optimizer step); the survivors die at
+        # the forward of 11 (their fault), the lost nodes a moment before, memory and all
+        job.wait_for_output("agent0", "step   10", timeout=240)
+        for n in nodes_to_lose:
+            assert c.nodes[n].kill(), "the node had processes"
+        if replace:
+            time.sleep(4)  # the survivors' agents have taken the decision without the lost nodes
+            for n in nodes_to_lose:
+                job.start(c.add_node(), name=f"replacement{n}")
+    return job
+
+
+@netns
+@pytest.mark.slow
+def test_three_nodes_all_workers_killed(mn_reference):
+    ref = mn_reference(3, 1, STEPS)
+    with Cluster(3) as c:
+        job = _run_job(c, _kill_all(3), [])
+        codes = job.wait(timeout=300)
+        assert all(v == 0 for v in codes.values()), (codes, job.logs())
+        src = _check_ec_recovery(job.all_events(), job.logs())
+        assert (src["ec"]["k"], src["ec"]["m"]) == (2, 1), src
+        assert_same_state(ref, Path(job.out))
+
+
+@netns
+@pytest.mark.slow
+def test_three_nodes_one_node_lost_2_plus_1(mn_reference):
+    """Every worker killed and one whole node gone with its /dev/shm: 2 of 3 chunks per stripe survive."""
+    ref = mn_reference(3, 1, STEPS)
+    with Cluster(3) as c:
+        job = _run_job(c, _kill_all(3, ranks=range(2)), [2])
+        codes = job.wait(timeout=300, skip=("agent2",))
+        assert all(v == 0 for v in codes.values()), (codes, job.logs())
+        evs = job.all_events()
+        src = _check_ec_recovery(evs, job.logs())
+        assert (src["ec"]["k"], src["ec"]["m"]) == (2, 1), src
+        dec = [e for e in evs if e["event"] == "restore_decision"]
+        assert dec and dec[0]["lost"], dec
+        assert_same_state(ref, Path(job.out))
+
+
+@netns
+@pytest.mark.slow
+def test_three_nodes_two_nodes_lost_falls_back(mn_reference):
+    """Two nodes gone: 1 chunk per stripe is left of the k=2 needed. The job says so and starts afresh
+    (there is no persistent checkpoint), never decoding anything, and still ends bit-identical."""
+    ref = mn_reference(3, 1, STEPS)
+    with Cluster(3) as c:
+        job = _run_job(c, _kill_all(3, ranks=range(1)), [1, 2])
+        codes = job.wait(timeout=400, skip=("agent1", "agent2"))
+        assert all(v == 0 for v in codes.values()), (codes, job.logs())
+        evs = job.all_events()
+        src = [e for e in evs if e["event"] == "restore_source"]
+        assert src and src[0]["source"] == "fresh", (src, job.logs())
+        assert any("EC step 8" in w and "not decodable" in w for w in src[0]["not_used"]), src
+        assert "RESTARTS FROM SCRATCH" in job.procs["agent0"].output()
+        assert not [e for e in evs if e["event"] in ("ec_restored", "ec_restore_failed")]
+        assert_same_state(ref, Path(job.out))
