@@ -63,7 +63,10 @@ class ReportReader:
         self._next = self._store.add(f"{self._ns}/n", 0) + 1 if from_now else 1
         self._waiting_since: float | None = None
 
-    def poll(self) -> list[dict]:
+    def poll(self, drain: bool = False) -> list[dict]:
+        """The reports written since the last poll. ``drain``: the writers
+        are all gone (the job ended), so a slot still empty is skipped at once
+        instead of after SLOT_GRACE_S."""
         out: list[dict] = []
         last = self._store.add(f"{self._ns}/n", 0)
         while self._next <= last:
@@ -72,7 +75,7 @@ class ReportReader:
                 now = time.monotonic()
                 if self._waiting_since is None:
                     self._waiting_since = now
-                if now - self._waiting_since < SLOT_GRACE_S:
+                if now - self._waiting_since < SLOT_GRACE_S and not drain:
                     break
             else:
                 msg = json.loads(self._store.get(key))

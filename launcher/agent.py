@@ -161,14 +161,14 @@ class JitAgent(LocalElasticAgent):
 
     # -- store ----------------------------------------------------------------
 
-    def _poll(self, wg: WorkerGroup, absorb: bool = True) -> list[dict]:
+    def _poll(self, wg: WorkerGroup, absorb: bool = True, drain: bool = False) -> list[dict]:
         addr = (wg.master_addr, wg.master_port)
         if self._reader is None or addr != self._store_addr:
             self._reader = ReportReader(connect(*addr), self._jit.token,
                                         from_now=self._reader is None and self._round > 0)
             self._store_addr = addr
             self._wakeup.watch(addr, self._jit.token)
-        msgs = self._reader.poll()
+        msgs = self._reader.poll(drain=drain)
         if absorb:
             for m in msgs:
                 self._absorb(m)
@@ -402,10 +402,17 @@ class JitAgent(LocalElasticAgent):
             self._absorb(m)
         if not failed and not reported:
             if hasattr(self._pcontext, "_ret_vals"):
-                return self._mp_progress(worker_group)
-            if all(c == 0 for c in codes.values()):
-                return super()._monitor_workers(worker_group)
-            return RunResult(state=WorkerState.HEALTHY)
+                res = self._mp_progress(worker_group)
+            elif all(c == 0 for c in codes.values()):
+                res = super()._monitor_workers(worker_group)
+            else:
+                return RunResult(state=WorkerState.HEALTHY)
+            if res.state == WorkerState.SUCCEEDED:
+                # the workers' last reports (resumed, finished), written
+                # before they exited, may not have been read yet; a slot a
+                # killed writer left empty no longer holds them up
+                self._poll(worker_group, drain=True)
+            return res
         return self._handle_failure(worker_group)
 
     def _handle_failure(self, wg: WorkerGroup) -> RunResult:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "jitckpt._bootstrap",
@@ -67,6 +68,10 @@ def worker_main(*argv: str) -> None:
     # fork server the rank starts, which outlives a killed rank, so they
     # would never see their parent die and never exit.
     multiprocessing.set_start_method(None, force=True)
+    # torchrun's agent has its own SIGINT handler when it starts a worker, so
+    # a fresh worker gets Python's default (KeyboardInterrupt) after exec; the
+    # fork server kept whatever jitrun inherited (ignored, under `nohup ... &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from jitckpt import _bootstrap
 
     sys.argv = ["jitckpt._bootstrap", *argv]
