@@ -602,6 +602,10 @@ class JitAgent(LocalElasticAgent):
         grace = f.handling_since + 3.0
         final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
         invs = coord.wait_inventories(r, nodes, grace, final)
+        # the other nodes posted after their savers exited: their ranks'
+        # reports (checkpoint_saved, the step in progress) are in the store
+        # now, and the record this node may write needs them
+        self._poll(wg)
         d = decide.compute(r, invs, {str(k): v for k, v in self._shards.items()}, nodes,
                            decided_by=self._node.node_id)
         lives = [i["last_alive"] for i in invs if i.get("last_alive")]
