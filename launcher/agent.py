@@ -183,10 +183,10 @@ class JitAgent(LocalElasticAgent):
             return
         if ev == "finished":
             self._finished.add(rank)
-            if m.get("loaded") is not None and self._loaded.get(rank) is None \
-                    and m.get("attempt", self._round) == self._round:
+            fresh = m.get("attempt", self._round) == self._round
+            if m.get("loaded") is not None and self._loaded.get(rank) is None and fresh:
                 self._loaded[rank] = m["loaded"]
-            if self._pending is not None:
+            if self._pending is not None and fresh:
                 # restored after the last minibatch (e.g. a save at a barrier
                 # after the loop): the job ends without another minibatch
                 self._on_resumed(m)
@@ -200,15 +200,20 @@ class JitAgent(LocalElasticAgent):
         # every node reads every rank's reports (the job's decisions need
         # them) but writes only its own ranks' to its timeline
         local = rank is None or rank in self._local_ranks
+        # a report of an earlier round read late (the reader waits up to
+        # SLOT_GRACE_S on a slot a killed writer left empty) goes to the
+        # timeline but says nothing about this round's failure or recovery
+        current = m.get("attempt", self._round) == self._round
         if ev == "resumed":
             if local:
                 self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
-            self._on_resumed(m)
+            if current:
+                self._on_resumed(m)
             return
         if local:
             self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
         f = self._failure
-        if f is None:
+        if f is None or not current:
             return
         if rank is not None and ev != "fault_injected":
             f.responded.add(rank)
@@ -381,10 +386,11 @@ class JitAgent(LocalElasticAgent):
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         # An injected fault's announcement only timestamps the failure; detection
         # is the healthy ranks' (or an exit), as it would be for a real fault.
-        for m in msgs:
+        now = [m for m in msgs if m.get("attempt", self._round) == self._round]  # not an earlier round's, read late
+        for m in now:
             if m["event"] == "fault_injected":
                 self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
-        reported = any(m["event"] == "failure_detected" for m in msgs)
+        reported = any(m["event"] == "failure_detected" for m in now)
         if not failed and not reported and self._coord is not None and self._coord.failed(self._round):
             reported = True  # another node's agent is handling a failure of this round
         self._finished |= {r for m in msgs if m["event"] == "finished" for r in [m["rank"]]}

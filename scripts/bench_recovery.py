@@ -482,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each jitrun configuration")
     ap.add_argument("--jit-timeout", type=float, default=5.0)
     ap.add_argument("--no-stop", action="store_true", help="skip the jitrun SIGSTOP runs")
-    ap.add_argument("--kinds", default="sigkill,exit,exception,sigstop",
-                    help="fault kinds of the jitrun runs (sigstop: not under torchrun, nothing detects it)")
+    ap.add_argument("--kinds", default="sigkill,sigstop",
+                    help="fault kinds of the jitrun runs, from sigkill,exit,exception,sigstop; kinds other than "
+                         "sigkill/sigstop also get a torchrun + periodic run (sigstop: not under torchrun, "
+                         "nothing detects it)")
     ap.add_argument("--starts", default="warm,cold", help="jitrun worker starts to measure: warm, cold or both")
     ap.add_argument("--plot", default=None,
                     help="plot file (default build/bench/recovery.png; '' = no plot)")
