@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import layout
+
 __all__ = [
     "PackError", "ChunkError", "ChunkTag", "pack_dir", "unpack", "write_chunk", "read_chunk", "chunk_name",
     "placement", "max_node_losses", "default_code", "read_manifest", "CHUNK_HEADER_SIZE", "job_key",
@@ -217,12 +219,12 @@ def unpack(buffer, dest_dir: str | os.PathLike) -> dict:
             made.update(Path(cur) / d for d in dnames)
         for d in made:
             os.chmod(d, 0o700)  # mkdtemp/mkdir honour the umask; the mode is the contract
-            _fsync_dir(d)
+            layout.fsync_dir(d)
         os.rename(tmp, dest)
     except BaseException:
         _rmtree(tmp)
         raise
-    _fsync_dir(dest.parent)
+    layout.fsync_dir(dest.parent)
     return manifest
 
 
@@ -231,14 +233,6 @@ def _write_all(fd: int, data) -> None:
     while mv:
         n = os.write(fd, mv)
         mv = mv[n:]
-
-
-def _fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rmtree(path: Path) -> None:
@@ -339,7 +333,7 @@ def write_chunk(directory: str | os.PathLike, tag: ChunkTag, payload, checksum: 
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(d)
+    layout.fsync_dir(d)
     return final
 
 

@@ -66,7 +66,7 @@ def replica_dir(root: Path, step: int, shard: str, rank: int) -> Path:
     return root / "ckpt" / f"step-{step}" / shard_dirname(shard) / f"rank-{rank}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -101,7 +101,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def sha256_file(path: Path) -> str:
@@ -202,7 +202,7 @@ def retire_finished(root: Path) -> Path:
     if (root / "ckpt").exists():
         os.rename(root / "ckpt", dest / "ckpt")
     os.rename(root / FINISHED_FILE, dest / FINISHED_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
     return dest
 
 
@@ -264,7 +264,7 @@ def publish(tmp: Path, *, root: Path, step: int, shard: str, rank: int, world_si
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 

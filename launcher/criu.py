@@ -21,7 +21,6 @@ that no longer match it (:func:`verify`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from jitckpt import layout
 
 CRIU_ENV = "JITCKPT_CRIU"
 VERSION = "4.1.1"
@@ -235,14 +236,6 @@ def dump(pid: int, images_dir: str | os.PathLike, *, leave_running: bool = False
     return DumpResult(d, secs, size, manifest)
 
 
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _image_files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.name not in _NOT_IMAGES)
 
@@ -251,7 +244,7 @@ def write_manifest(images_dir: str | os.PathLike, extra: dict | None = None) -> 
     """sha256 + size of every image file into ``jitckpt-manifest.json``, atomically
     (temp file, fsync, rename): a half-written manifest never passes for a whole one."""
     d = Path(images_dir)
-    files = {p.name: {"sha256": _sha256(p), "size": p.stat().st_size} for p in _image_files(d)}
+    files = {p.name: {"sha256": layout.sha256_file(p), "size": p.stat().st_size} for p in _image_files(d)}
     body = json.dumps({"format": 1, **(extra or {}), "files": files}, indent=1, sort_keys=True)
     tmp = d / ".manifest.tmp"
     with open(tmp, "w") as f:
@@ -287,7 +280,7 @@ def verify(images_dir: str | os.PathLike) -> dict:
             bad.append(f"{name}: missing")
         elif p.stat().st_size != want["size"]:
             bad.append(f"{name}: size {p.stat().st_size}, manifest says {want['size']}")
-        elif _sha256(p) != want["sha256"]:
+        elif layout.sha256_file(p) != want["sha256"]:
             bad.append(f"{name}: sha256 differs from the manifest")
     extra = [p.name for p in _image_files(d) if p.name not in files]
     bad += [f"{n}: not in the manifest" for n in extra]

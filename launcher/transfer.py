@@ -205,7 +205,7 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        layout._fsync_dir(final.parent)
+        layout.fsync_dir(final.parent)
         return final
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

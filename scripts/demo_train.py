@@ -63,6 +63,21 @@ def batch(seed: int, step: int, rank: int, bs: int, seq: int, vocab: int) -> tup
     return seqs[:, :-1], seqs[:, 1:]
 
 
+def finish(args: argparse.Namespace, rank: int, model: nn.Module, opt: torch.optim.Optimizer, trained: int,
+           t0: float) -> None:
+    """After the loop: the optional barrier, rank 0's final model+optimizer
+    state (atomically), the end of the process group."""
+    if args.final_barrier:
+        dist.barrier()
+    if rank == 0:
+        print(f"[rank 0] trained {trained} steps in {time.time() - t0:.2f}s", flush=True)
+        if args.out:
+            tmp = args.out + ".tmp"
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp)
+            os.replace(tmp, args.out)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -161,15 +176,7 @@ def main() -> None:
             print(f"[rank 0] periodic checkpoint at step {step + 1}", flush=True)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
-    if args.final_barrier:
-        dist.barrier()
-    if rank == 0:
-        print(f"[rank 0] trained {args.steps - start} steps in {time.time() - t0:.2f}s", flush=True)
-        if args.out:
-            tmp = args.out + ".tmp"
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp)
-            os.replace(tmp, args.out)
-    dist.destroy_process_group()
+    finish(args, rank, model, opt, args.steps - start, t0)
 
 
 def train_resumable(args: argparse.Namespace, rank: int, model: nn.Module, ddp: DDP,
@@ -217,15 +224,7 @@ def train_resumable(args: argparse.Namespace, rank: int, model: nn.Module, ddp: 
                     break
                 train_step(state["step"], x, y)
             epoch += 1
-    if args.final_barrier:
-        dist.barrier()
-    if rank == 0:
-        print(f"[rank 0] trained {args.steps - start} steps in {time.time() - t0:.2f}s", flush=True)
-        if args.out:
-            tmp = args.out + ".tmp"
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp)
-            os.replace(tmp, args.out)
-    dist.destroy_process_group()
+    finish(args, rank, model, opt, args.steps - start, t0)
 
 
 if __name__ == "__main__":
