@@ -179,13 +179,21 @@ class Runtime:
             fn, self.on_training_start = self.on_training_start, None
             fn()
 
+    def _minibatch_start(self, collective: bool) -> None:
+        """The hooks of the minibatch boundary, for resume (RNG, counters,
+        data position) and EC snapshots (after a step only). ``collective``:
+        reached at an explicit collective, which may not start a minibatch
+        (a barrier after the loop); only reached from POST there."""
+        if self.on_minibatch_start is not None:
+            self.on_minibatch_start()
+        if self.on_snapshot is not None and self.phase is Phase.POST:
+            self.on_snapshot(collective)
+
     def on_forward(self) -> None:
         if self.phase is Phase.INIT:
             self._training_started()
-        if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
-            self.on_minibatch_start()
-        if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot(False)
+        if self.phase is Phase.POST or self.phase is Phase.INIT:
+            self._minibatch_start(collective=False)
         if self.deferred is not None:
             self._save_deferred()
         if self.phase is not Phase.FWD:
@@ -196,10 +204,8 @@ class Runtime:
     def on_backward(self, tensors) -> None:
         if self.phase is Phase.INIT:
             self._training_started()
-        if self.on_minibatch_start is not None and self.phase in (Phase.INIT, Phase.POST):
-            self.on_minibatch_start()
-        if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot(False)
+        if self.phase is Phase.POST or self.phase is Phase.INIT:
+            self._minibatch_start(collective=False)
         if self.deferred is not None:
             self._save_deferred()
         with self._lock:
@@ -235,10 +241,8 @@ class Runtime:
         # it is not (a barrier after the training loop): such a save is marked
         # so that it is only restored when save_fn labelled its state with
         # checkpoint_step() (see _jit_save).
-        if self.on_minibatch_start is not None and self.phase is Phase.POST:
-            self.on_minibatch_start()
-        if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot(True)  # maybe not a minibatch start (a barrier after the loop)
+        if self.phase is Phase.POST:
+            self._minibatch_start(collective=True)
         if self.deferred is not None:
             self._save_deferred(post_step=self.phase is Phase.POST)
         if self.phase is Phase.POST:
