@@ -58,6 +58,7 @@ def _attach_intercept(rt: Runtime) -> None:
     if intercept.loaded():
         intercept.set_hang_handler(rt._on_hang)
         rt.on_minibatch_begin = intercept.minibatch_begin
+        rt.shim_optimizer = intercept.optimizer_marks()
 
 
 def register(save_fn: SaveFn, *, shard: str | int | None = None) -> None:

@@ -29,6 +29,8 @@ __all__ = [
     "dump_replay_log",
     "loaded",
     "minibatch_begin",
+    "optimizer_marks",
+    "recoveries",
     "replay",
     "set_hang_handler",
     "stat",
@@ -43,6 +45,9 @@ int64_t jitintercept_counter(const char *name);
 int jitintercept_counter_count(void);
 const char *jitintercept_counter_name(int index);
 void jitintercept_minibatch_begin(void);
+void jitintercept_optimizer_begin(void);
+void jitintercept_optimizer_end(void);
+uint64_t jitintercept_recoveries(void);
 int jitintercept_dump_replay_log(const char *path);
 int jitintercept_replay(void);
 int64_t jitintercept_stat(const char *name);
@@ -110,6 +115,23 @@ def minibatch_begin() -> None:
     lib = _shim()
     if lib is not None:
         lib.jitintercept_minibatch_begin()
+
+
+def optimizer_marks() -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """The shim's optimizer phase marks (begin, end), called by the runtime's
+    optimizer pre/post hooks: in recover mode a fault noticed before
+    ``begin`` is replayed in place, one after it falls back (the parameters
+    may be half updated). None without the shim."""
+    lib = _shim()
+    if lib is None:
+        return None
+    return lib.jitintercept_optimizer_begin, lib.jitintercept_optimizer_end
+
+
+def recoveries() -> int:
+    """In-place recoveries (JITCKPT_ON_HANG=recover) this process went through."""
+    lib = _shim()
+    return int(lib.jitintercept_recoveries()) if lib is not None else 0
 
 
 def counters() -> dict[str, int]:

@@ -116,6 +116,9 @@ class Runtime:
         self.on_training_start: Callable[[], None] | None = None
         # libintercept's replay log is cleared here when the shim is loaded
         self.on_minibatch_begin: Callable[[], None] | None = None
+        # libintercept's optimizer phase marks (begin, end): a device fault before begin
+        # is replayed in place by the shim (JITCKPT_ON_HANG=recover), one after it is not
+        self.shim_optimizer: tuple[Callable[[], None], Callable[[], None]] | None = None
         # resume.resumable(): snapshot (and after a restart, restore) RNG, counters and data
         # position at each minibatch start, before a deferred save that needs the snapshot
         self.on_minibatch_start: Callable[[], None] | None = None
@@ -172,6 +175,10 @@ class Runtime:
     # -- phase hooks (main thread) -----------------------------------------
 
     def _training_started(self) -> None:
+        if self.on_minibatch_begin is not None:
+            # The shim's replay log starts with the first minibatch, not with the
+            # set-up before it (which could overflow it and can never be replayed).
+            self.on_minibatch_begin()
         if self.reporter is not None and not self._checked:
             self._checked = True
             self._check_same_state()
@@ -250,6 +257,11 @@ class Runtime:
                 self.phase, self.phase_t = Phase.FWD, time.monotonic()
 
     def on_optimizer_pre(self) -> None:
+        if self.shim_optimizer is not None:
+            # Before the phase becomes OPT: in recover mode the shim waits here for the
+            # minibatch's collectives, and a fault it then cannot recover calls _on_hang
+            # while the state is still the minibatch start, so the JIT save runs at once.
+            self.shim_optimizer[0]()
         with self._lock:
             if self.saving:
                 parked = True
@@ -263,6 +275,8 @@ class Runtime:
         self.injector.maybe_fire("optimizer", self.steps_done)
 
     def on_optimizer_post(self) -> None:
+        if self.shim_optimizer is not None:
+            self.shim_optimizer[1]()
         with self._lock:
             if not self._counted:
                 self._counted = True

@@ -295,13 +295,13 @@ def run(args) -> int:
                   "timeout only", file=sys.stderr)
         else:
             os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-            if args.no_python:
-                # A program without Python (no jitckpt handler): the shim recovers lost
-                # collectives and NCCL errors in place, or exits 75 for a restart.
-                from .shim_events import SHIM_EVENTS
+            # The shim recovers lost collectives and NCCL errors in place (issue 11);
+            # what it cannot recover falls back to jitckpt's JIT save (Python workers,
+            # the hang handler) or to an exit 75 for a restart (any program).
+            from .shim_events import SHIM_EVENTS
 
-                os.environ.setdefault("JITCKPT_ON_HANG", "recover")
-                os.environ.setdefault("JITCKPT_SHIM_EVENTS", str(root / SHIM_EVENTS))
+            os.environ.setdefault("JITCKPT_ON_HANG", "recover")
+            os.environ.setdefault("JITCKPT_SHIM_EVENTS", str(root / SHIM_EVENTS))
 
     # torchrun's own defaulting (torch.distributed.run.run)
     if args.standalone:

@@ -40,7 +40,7 @@ SHIM_PROG_SIM_LIBS = -L$(SHIM_SIM) -Wl,-rpath,$(SHIM_SIM) -l:libcudart.so.13 -l:
 CUDA_LIB64 ?= /usr/local/cuda/lib64
 
 SHIM_PROGS := $(SHIM_TESTS)/ranks $(SHIM_TESTS)/replay $(SHIM_TESTS)/dp $(SHIM_TESTS)/vhandles $(SHIM_TESTS)/bench \
-	$(SHIM_TESTS)/blocker.so $(SHIM_TESTS)/localload $(SHIM_TESTS)/liblocal.so $(SHIM_TESTS)/v12 \
+	$(SHIM_TESTS)/blocker.so $(SHIM_TESTS)/dp.so $(SHIM_TESTS)/localload $(SHIM_TESTS)/liblocal.so $(SHIM_TESTS)/v12 \
 	$(SHIM_TESTS)/v13 $(SHIM_TESTS)/variants/unversioned/libjitintercept.so \
 	$(SHIM_TESTS)/variants/v13only/libjitintercept.so
 shim-test-progs: sim $(SHIM_PROGS) $(if $(wildcard $(CUDA_LIB64)/libcudart.so.13),$(SHIM_TESTS)/realcudart)
@@ -53,6 +53,11 @@ $(SHIM_TESTS)/%: ../tests/intercept/shim_progs/%.c ../tests/intercept/shim_progs
 $(SHIM_TESTS)/blocker.so: ../tests/intercept/shim_progs/blocker.c ../tests/intercept/shim_progs/common.h
 	@mkdir -p $(dir $@)
 	$(CC) $(SHIM_PROG_CFLAGS) -shared -fPIC -o $@ $< $(SHIM_PROG_SIM_LIBS)
+
+# dp's steps for a Python worker (ctypes) whose phases jitckpt's runtime marks.
+$(SHIM_TESTS)/dp.so: ../tests/intercept/shim_progs/dp.c ../tests/intercept/shim_progs/common.h
+	@mkdir -p $(dir $@)
+	$(CC) $(SHIM_PROG_CFLAGS) -DDP_LIB -shared -fPIC -o $@ $< $(SHIM_PROG_SIM_LIBS)
 
 # dlopen(RTLD_LOCAL)'ed by localload: its libcudart is invisible to RTLD_NEXT.
 $(SHIM_TESTS)/liblocal.so: ../tests/intercept/shim_progs/liblocal.c ../tests/intercept/shim_progs/common.h

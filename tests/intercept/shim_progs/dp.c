@@ -68,6 +68,108 @@ static void k_opt(void **a) { /* clipped momentum SGD: m = 0.9 m + g/(n*c); w -=
 }
 static const size_t k_opt_sizes[7] = {8, 8, 8, 8, sizeof(float), sizeof(float), sizeof(int)};
 
+/* The training state of one rank. dp.so (-DDP_LIB) exports the steps for a
+ * Python worker that drives them through ctypes, with jitckpt's runtime
+ * marking the phases (tests/intercept/test_python_over_shim.py). */
+struct dp {
+  int rank, nranks, n;
+  ncclComm_t comm;
+  cudaStream_t cs, ns;
+  cudaEvent_t e1, e2;
+  float *W, *M, *X, *Y, *G, *L, *S;
+  float b, lr, nr;
+  uint64_t host;
+};
+static struct dp D;
+static float hw[N], hx[N];
+
+int dp_setup(int rank, int nranks, const char *dir) {
+  D.rank = rank, D.nranks = nranks, D.n = N;
+  CK(jitsimRegisterKernel((const void *)k_fwd, 5, k_fwd_sizes));
+  CK(jitsimRegisterKernel((const void *)k_grad, 5, k_grad_sizes));
+  CK(jitsimRegisterKernel((const void *)k_norm, 3, k_norm_sizes));
+  CK(jitsimRegisterKernel((const void *)k_opt, 7, k_opt_sizes));
+  char idpath[4096];
+  /* One id file per launcher attempt: a restarted job must not read the last one. */
+  const char *attempt = getenv("TORCHELASTIC_RESTART_COUNT");
+  snprintf(idpath, sizeof idpath, "%s/nccl.id.%s", dir, attempt ? attempt : "0");
+  ncclUniqueId id;
+  exchange_id(&id, rank, idpath);
+  CK(ncclCommInitRank(&D.comm, nranks, id, rank));
+  CK(cudaStreamCreateWithFlags(&D.cs, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&D.ns, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&D.e1, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&D.e2, cudaEventDisableTiming));
+  CK(cudaMalloc((void **)&D.W, N * 4));
+  CK(cudaMalloc((void **)&D.M, N * 4));
+  CK(cudaMalloc((void **)&D.X, N * 4));
+  CK(cudaMalloc((void **)&D.Y, N * 4));
+  CK(cudaMalloc((void **)&D.G, N * 4));
+  CK(cudaMalloc((void **)&D.L, 4));
+  CK(cudaMalloc((void **)&D.S, 4));
+  for (int i = 0; i < N; i++) hw[i] = 0.001f * (float)(i % 97) + 0.5f;
+  CK(cudaMemcpy(D.W, hw, sizeof hw, cudaMemcpyHostToDevice));
+  CK(cudaMemset(D.M, 0, N * 4));
+  CK(cudaDeviceSynchronize());
+  D.b = 0.25f, D.lr = 0.01f, D.nr = (float)nranks;
+  D.host = 1469598103934665603ull;
+  return 0;
+}
+
+/* Forward, gradient, the grouped all-reduce on the NCCL stream, the loss to the host. */
+int dp_compute(int step, int hostfn) {
+  for (int i = 0; i < N; i++) hx[i] = (float)((i * 31 + step * 7 + D.rank * 3) % 101) * 0.01f;
+  CK(cudaMemcpyAsync(D.X, hx, sizeof hx, cudaMemcpyHostToDevice, D.cs));
+  void *fa[5] = {&D.Y, &D.W, &D.X, &D.b, &D.n};
+  CK(cudaLaunchKernel((const void *)k_fwd, ONE, ONE, fa, 0, D.cs));
+  void *ga[5] = {&D.G, &D.Y, &D.X, &D.L, &D.n};
+  CK(cudaLaunchKernel((const void *)k_grad, ONE, ONE, ga, 0, D.cs));
+  if (hostfn) CK(cudaLaunchHostFunc(D.cs, host_noop, NULL)); /* unreplayable: marks the log incomplete */
+  CK(cudaEventRecord(D.e1, D.cs));
+  CK(cudaStreamWaitEvent(D.ns, D.e1, 0));
+  CK(ncclGroupStart());
+  CK(ncclAllReduce(D.G, D.G, N, ncclFloat, ncclSum, D.comm, D.ns));
+  CK(ncclGroupEnd());
+  CK(cudaEventRecord(D.e2, D.ns));
+  CK(cudaStreamWaitEvent(D.cs, D.e2, 0));
+  float loss = -1;
+  CK(cudaMemcpyAsync(&loss, D.L, 4, cudaMemcpyDeviceToHost, D.cs));
+  CK(cudaStreamSynchronize(D.cs));
+  D.host = fnv1a(&loss, 4, D.host);
+  return 0;
+}
+
+/* The optimizer phase: grad norm, its synchronous all-reduce, the update. */
+int dp_optimizer(void) {
+  void *na[3] = {&D.S, &D.G, &D.n};
+  CK(cudaLaunchKernel((const void *)k_norm, ONE, ONE, na, 0, D.cs));
+  CK(ncclAllReduce(D.S, D.S, 1, ncclFloat, ncclSum, D.comm, D.cs));
+  void *oa[7] = {&D.W, &D.M, &D.G, &D.S, &D.lr, &D.nr, &D.n};
+  CK(cudaLaunchKernel((const void *)k_opt, ONE, ONE, oa, 0, D.cs));
+  return 0;
+}
+
+/* Writes W and M to DIR/final.RANK and prints the FINAL line. */
+int dp_finish(const char *dir) {
+  CK(cudaStreamSynchronize(D.cs));
+  static float out[2 * N];
+  CK(cudaMemcpy(out, D.W, N * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(out + N, D.M, N * 4, cudaMemcpyDeviceToHost));
+  char path[4200];
+  snprintf(path, sizeof path, "%s/final.%d", dir, D.rank);
+  FILE *f = fopen(path, "wb");
+  if (!f || fwrite(out, sizeof out, 1, f) != 1 || fclose(f)) return 5;
+  int64_t (*stat)(const char *) = shim_jitintercept_stat();
+  uint64_t (*nrec)(void) = (uint64_t(*)(void))dlsym(RTLD_DEFAULT, "jitintercept_recoveries");
+  printf("FINAL rank=%d pid=%d dev=%016llx host=%016llx recoveries=%llu triggers=%lld\n", D.rank, (int)getpid(),
+         (unsigned long long)fnv1a(out, sizeof out, 1469598103934665603ull), (unsigned long long)D.host,
+         (unsigned long long)(nrec ? nrec() : 0), (long long)(stat ? stat("triggers") : -1));
+  fflush(stdout);
+  CK(ncclCommDestroy(D.comm));
+  return 0;
+}
+
+#ifndef DP_LIB
 int main(int argc, char **argv) {
   if (argc < 5) return 2;
   /* "-" for RANK/NRANKS: take them from the launcher's RANK/WORLD_SIZE. */
@@ -95,41 +197,7 @@ int main(int argc, char **argv) {
   /* DP_INIT_MS: start-up work before the first device call (imports, data
    * preparation, model construction): what a restart pays again. */
   if (getenv("DP_INIT_MS")) usleep((useconds_t)atoi(getenv("DP_INIT_MS")) * 1000);
-  CK(jitsimRegisterKernel((const void *)k_fwd, 5, k_fwd_sizes));
-  CK(jitsimRegisterKernel((const void *)k_grad, 5, k_grad_sizes));
-  CK(jitsimRegisterKernel((const void *)k_norm, 3, k_norm_sizes));
-  CK(jitsimRegisterKernel((const void *)k_opt, 7, k_opt_sizes));
-  char idpath[4096];
-  /* One id file per launcher attempt: a restarted job must not read the last one. */
-  const char *attempt = getenv("TORCHELASTIC_RESTART_COUNT");
-  snprintf(idpath, sizeof idpath, "%s/nccl.id.%s", dir, attempt ? attempt : "0");
-  ncclUniqueId id;
-  exchange_id(&id, rank, idpath);
-  ncclComm_t comm;
-  CK(ncclCommInitRank(&comm, nranks, id, rank));
-  cudaStream_t cs, ns;
-  cudaEvent_t e1, e2;
-  CK(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
-  CK(cudaStreamCreateWithFlags(&ns, cudaStreamNonBlocking));
-  CK(cudaEventCreateWithFlags(&e1, cudaEventDisableTiming));
-  CK(cudaEventCreateWithFlags(&e2, cudaEventDisableTiming));
-  float *W, *M, *X, *Y, *G, *L, *S;
-  CK(cudaMalloc((void **)&W, N * 4));
-  CK(cudaMalloc((void **)&M, N * 4));
-  CK(cudaMalloc((void **)&X, N * 4));
-  CK(cudaMalloc((void **)&Y, N * 4));
-  CK(cudaMalloc((void **)&G, N * 4));
-  CK(cudaMalloc((void **)&L, 4));
-  CK(cudaMalloc((void **)&S, 4));
-  static float hw[N], hx[N];
-  for (int i = 0; i < N; i++) hw[i] = 0.001f * (float)(i % 97) + 0.5f;
-  CK(cudaMemcpy(W, hw, sizeof hw, cudaMemcpyHostToDevice));
-  CK(cudaMemset(M, 0, N * 4));
-  CK(cudaDeviceSynchronize());
-
-  int n = N;
-  float b = 0.25f, lr = 0.01f, nr = (float)nranks;
-  uint64_t host = 1469598103934665603ull;
+  dp_setup(rank, nranks, dir);
   for (int step = 0; step < steps; step++) {
     if (mb_begin) mb_begin();
     if (step_ms) { /* host-side work at the start of the step (data loading) */
@@ -139,47 +207,11 @@ int main(int argc, char **argv) {
       if (pf) fprintf(pf, "%d\n", step), fclose(pf);
       usleep((useconds_t)step_ms * 1000);
     }
-    for (int i = 0; i < N; i++) hx[i] = (float)((i * 31 + step * 7 + rank * 3) % 101) * 0.01f;
-    CK(cudaMemcpyAsync(X, hx, sizeof hx, cudaMemcpyHostToDevice, cs));
-    void *fa[5] = {&Y, &W, &X, &b, &n};
-    CK(cudaLaunchKernel((const void *)k_fwd, ONE, ONE, fa, 0, cs));
-    void *ga[5] = {&G, &Y, &X, &L, &n};
-    CK(cudaLaunchKernel((const void *)k_grad, ONE, ONE, ga, 0, cs));
-    if (hostfn) CK(cudaLaunchHostFunc(cs, host_noop, NULL)); /* unreplayable: marks the log incomplete */
-    CK(cudaEventRecord(e1, cs));
-    CK(cudaStreamWaitEvent(ns, e1, 0));
-    CK(ncclGroupStart());
-    CK(ncclAllReduce(G, G, N, ncclFloat, ncclSum, comm, ns));
-    CK(ncclGroupEnd());
-    CK(cudaEventRecord(e2, ns));
-    CK(cudaStreamWaitEvent(cs, e2, 0));
-    float loss = -1;
-    CK(cudaMemcpyAsync(&loss, L, 4, cudaMemcpyDeviceToHost, cs));
-    CK(cudaStreamSynchronize(cs));
-    host = fnv1a(&loss, 4, host);
-
+    dp_compute(step, hostfn);
     if (opt_begin) opt_begin();
-    void *na[3] = {&S, &G, &n};
-    CK(cudaLaunchKernel((const void *)k_norm, ONE, ONE, na, 0, cs));
-    CK(ncclAllReduce(S, S, 1, ncclFloat, ncclSum, comm, cs));
-    void *oa[7] = {&W, &M, &G, &S, &lr, &nr, &n};
-    CK(cudaLaunchKernel((const void *)k_opt, ONE, ONE, oa, 0, cs));
+    dp_optimizer();
     if (opt_end) opt_end();
   }
-  CK(cudaStreamSynchronize(cs));
-  static float out[2 * N];
-  CK(cudaMemcpy(out, W, N * 4, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(out + N, M, N * 4, cudaMemcpyDeviceToHost));
-  char path[4200];
-  snprintf(path, sizeof path, "%s/final.%d", dir, rank);
-  FILE *f = fopen(path, "wb");
-  if (!f || fwrite(out, sizeof out, 1, f) != 1 || fclose(f)) return 5;
-  int64_t (*stat)(const char *) = shim_jitintercept_stat();
-  uint64_t (*nrec)(void) = (uint64_t(*)(void))dlsym(RTLD_DEFAULT, "jitintercept_recoveries");
-  printf("FINAL rank=%d pid=%d dev=%016llx host=%016llx recoveries=%llu triggers=%lld\n", rank, (int)getpid(),
-         (unsigned long long)fnv1a(out, sizeof out, 1469598103934665603ull), (unsigned long long)host,
-         (unsigned long long)(nrec ? nrec() : 0), (long long)(stat ? stat("triggers") : -1));
-  fflush(stdout);
-  CK(ncclCommDestroy(comm));
-  return 0;
+  return dp_finish(dir);
 }
+#endif
