@@ -27,7 +27,11 @@ after the fault. The stand-in program starts in milliseconds (no Python, no
 model), so this restart path is a floor of a real one. Also printed: the
 restart floor without jitrun (exit run + fresh processes to the faulted step).
 
-  python3 scripts/bench_transparent.py [--ranks 2 3 4] [--repeat 3] [--init-ms MS] [--json out.json]
+  python3 scripts/bench_transparent.py [--ranks 2 3 4] [--repeat 3] [--init-ms MS] [--python] [--json out.json]
+
+--python adds the same comparison with Python workers (tests/intercept/dp_torch.py drives dp.c's
+steps through ctypes from a torch script with no jitckpt code): there the restart path is real
+(fresh processes import Python, torch and jitckpt again; warm start is off with the shim).
 
 --init-ms gives every dp process that much start-up work (DP_INIT_MS: what a
 real job's imports, data preparation and model construction cost a restart);
@@ -96,8 +100,10 @@ def restart(tmp: Path, n: int) -> float:
     return (t["wall"] - TIMEOUT) + fresh
 
 
-def jitrun_after_detection(tmp: Path, n: int, restarts: int = 0, **env: str) -> float:
-    """Seconds from detection to jitrun's job_end (see the module doc)."""
+def jitrun_after_detection(tmp: Path, n: int, restarts: int = 0, python: bool = False, **env: str) -> float:
+    """Seconds from detection to jitrun's job_end (see the module doc). With
+    ``python`` the workers are tests/intercept/dp_torch.py: the same steps
+    driven from a torch script, so a restart pays a real Python + torch start."""
     import subprocess  # noqa: PLC0415
 
     tmp.mkdir(parents=True, exist_ok=True)
@@ -105,9 +111,10 @@ def jitrun_after_detection(tmp: Path, n: int, restarts: int = 0, **env: str) -> 
     e["JITCKPT_INTERCEPT_LIB"] = str(st.SHIM)
     e.update(env)
     jr = Path(sys.executable).parent / "jitrun"
-    cmd = [str(jr), "--nproc-per-node", str(n), "--no-python", "--jit-intercept", "on", "--jit-timeout",
-           str(TIMEOUT), "--max-restarts", str(restarts), "--jit-dir", str(tmp / "jit"), str(st.PROGS / "dp"),
-           "-", "-", str(STEPS), str(tmp)]
+    prog = ([str(REPO / "tests" / "intercept" / "dp_torch.py"), str(st.PROGS / "dp.so"), str(STEPS)] if python
+            else ["--no-python", str(st.PROGS / "dp"), "-", "-", str(STEPS)])
+    cmd = [str(jr), "--nproc-per-node", str(n), "--jit-intercept", "on", "--jit-timeout", str(TIMEOUT),
+           "--max-restarts", str(restarts), "--jit-dir", str(tmp / "jit"), *prog, str(tmp)]
     p = subprocess.run(cmd, env=e, cwd=tmp, capture_output=True, text=True, timeout=180)
     if p.returncode != 0 or p.stdout.count("FINAL") != n:
         raise SystemExit(f"jitrun n={n} env={env}: rc={p.returncode}\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
@@ -116,7 +123,8 @@ def jitrun_after_detection(tmp: Path, n: int, restarts: int = 0, **env: str) -> 
     rec = [e for e in evs if e["event"] == "in_place_recovery"]
     if rec:
         return end - (rec[0]["t"] - rec[0]["total_s"])
-    return end - min(e["t"] for e in evs if e["event"] == "worker_exit")
+    # detection: the first rank exiting 75 (C program) or reporting it (jitckpt's hang handler)
+    return end - min(e["t"] for e in evs if e["event"] in ("worker_exit", "failure_detected"))
 
 
 def main() -> int:
@@ -124,6 +132,8 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--init-ms", type=int, default=0)
+    ap.add_argument("--python", action="store_true",
+                    help="also the same steps in Python workers (tests/intercept/dp_torch.py): a real restart path")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     os.environ["DP_INIT_MS"] = str(a.init_ms)  # inherited by every dp process (st.env copies os.environ)
@@ -156,6 +166,20 @@ def main() -> int:
             print(f"{n:>5} jitrun, detection -> job end: in place {ipm:.3f} s, restart path {rsm:.3f} s "
                   f"({rsm / max(ipm, 1e-9):.1f}x; the shim's own recovery - timeout: {inplace:.3f} s); "
                   f"restart floor without jitrun {floor:.3f} s")
+            if a.python:
+                # The restart a Python worker really pays on the GPU path: fresh processes
+                # (no warm start with the shim), Python, torch and jitckpt imported again.
+                pip = [jitrun_after_detection(root / f"py_ip{n}.{i}", n, python=True, **hang)
+                       for i in range(a.repeat)]
+                prs = [jitrun_after_detection(root / f"py_rs{n}.{i}", n, restarts=1, python=True,
+                                              JITCKPT_ON_HANG="exit", DP_FAULTS_FIRST_ATTEMPT="1", **hang)
+                       for i in range(a.repeat)]
+                pim, prm = statistics.median(pip), statistics.median(prs)
+                out["runs"][f"{n}/jitrun_python"] = {"in_place_detection_to_end_s": pip,
+                                                     "restart_detection_to_end_s": prs,
+                                                     "ratio": prm / max(pim, 1e-9)}
+                print(f"{n:>5} jitrun, Python workers (dp_torch.py), detection -> job end: in place {pim:.3f} s, "
+                      f"restart path {prm:.3f} s ({prm / max(pim, 1e-9):.1f}x)")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0
