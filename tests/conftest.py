@@ -17,6 +17,49 @@ TRAIN = ROOT / "scripts" / "demo_train.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+# /dev/shm entries the suite must never leave behind: multiprocessing's named
+# semaphores (a killed process tree whose resource tracker died with it) and
+# the stand-in's NCCL segments. One counts as leaked when it appeared during
+# the session and no process maps it (a concurrent run's live ones are mapped).
+_SHM = Path("/dev/shm")
+_SHM_PREFIXES = ("sem.mp-", "jitsim-")
+_shm_at_start: set[str] = set()
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {p.name for p in _SHM.iterdir() if p.name.startswith(_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def _shm_mapped() -> set[str]:
+    names: set[str] = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for line in (d / "maps").read_text().splitlines():
+                i = line.find("/dev/shm/")
+                if i >= 0:
+                    names.add(line[i + 9:].split()[0])
+        except OSError:
+            continue
+    return names
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _shm_at_start.update(_shm_entries())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaked = sorted(_shm_entries() - _shm_at_start - _shm_mapped())
+    if leaked:
+        print(f"\nLEAKED in /dev/shm during this test session (created by it, mapped by no process): "
+              f"{leaked}; a test killed a process tree without cleaning up after it", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @dataclass
 class Job:
     returncode: int

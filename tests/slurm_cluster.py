@@ -263,7 +263,13 @@ def start(nodes: int = 3, prefix: str = "n") -> Iterator[Cluster]:
         _wait_for(lambda: cluster.run("scontrol", "ping", check=False).stdout.count("is UP") > 0, 20,
                   "slurmctld", cluster)
         for n in names:
-            daemon(f"slurmd.{n}", ["slurmd", "-D", "-N", n, "-f", str(cluster.conf)])
+            # Each node's slurmd (and every task it starts) in a mount namespace of its own
+            # with a private /dev/shm, as a real node has: what a killed node's processes
+            # leave there (multiprocessing's named semaphores) goes with the node.
+            # unshare and sh exec, so the PID we hold stays slurmd's.
+            daemon(f"slurmd.{n}", ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                                   'mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"', "sh",
+                                   _which("slurmd") or "slurmd", "-D", "-N", n, "-f", str(cluster.conf)])
         cluster.wait_idle()
         yield cluster
     finally:
