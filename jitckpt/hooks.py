@@ -30,6 +30,7 @@ _COLLECTIVES = (
     "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
     "all_to_all_single", "barrier", "send", "recv", "broadcast_object_list",
     "all_gather_object", "gather_object", "scatter_object_list",
+    "all_gather_single", "reduce_scatter_single",  # FSDP2's (torch 2.13)
 )
 
 

@@ -350,6 +350,7 @@ class _Session:
         self.snap: dict | None = None  # taken at the start of the current minibatch
         self.pending_rng: dict | None = None  # to restore at the first resumed minibatch start
         self.restored_step: int | None = None
+        self.sharded: Any = None  # resume_sharded.ShardedState: an FSDP2 model and its optimizers
 
     # runtime hook: the start of a minibatch (before a deferred JIT save)
     def on_minibatch_start(self) -> None:
@@ -381,6 +382,8 @@ class _Session:
             **snap,
             "rng": _portable(snap["rng"]),
         }
+        if self.sharded is not None:
+            payload["sharded"] = self.sharded.save(ckpt_dir)
         torch.save(payload, os.path.join(ckpt_dir, STATE_FILE))
 
     def load(self, path: str) -> int:
@@ -394,6 +397,8 @@ class _Session:
                                "objects as the run that saved it")
         for name, obj in self.objects.items():
             obj.load_state_dict(payload["objects"][name])
+        if self.sharded is not None:
+            self.sharded.load(path, payload.get("sharded"))
         self.state.clear()
         self.state.update(payload["state"])
         if len(payload["data"]) != len(self.trackers):
@@ -460,9 +465,14 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
             raise TypeError(f"jitckpt.resumable: {name} ({type(obj).__name__}) has no state_dict/load_state_dict")
         objects[name] = obj
 
-    if model is not None:
+    from . import resume_sharded
+
+    sharded_model = model if model is not None and resume_sharded.is_sharded(model) else None
+    if model is not None and sharded_model is None:
         add("model", _unwrap(model))
-    for kind, objs in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+    # a sharded (FSDP2) model and its optimizers are resume_sharded's: per-shard DCP files
+    for kind, objs in (("optimizer", None if sharded_model is not None else optimizer), ("scheduler", scheduler),
+                       ("scaler", scaler)):
         lst = _as_list(objs)
         for i, o in enumerate(lst):
             add(kind if len(lst) == 1 else f"{kind}.{i}", o)
@@ -471,23 +481,30 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
             raise TypeError(f"jitckpt.resumable: {name!r} given twice")
         add(name, obj)
     loaders = _as_list(dataloader)
-    if not objects and not loaders and not state:
+    if not objects and not loaders and not state and sharded_model is None:
         raise TypeError("jitckpt.resumable: nothing to checkpoint (pass model=, optimizer=, ...)")
 
     with _lock:
         if _session is not None:
             raise RuntimeError("jitckpt.resumable was already called in this process")
         session = _Session(objects, state, loaders)
+        if sharded_model is not None:
+            session.sharded = resume_sharded.setup(sharded_model, _as_list(optimizer), shard, api._get_runtime())
+            shard = session.sharded.shard
         api.register(session.save, shard=shard)
         rt = api._get_runtime()
         rt.on_minibatch_start = session.on_minibatch_start
         _install_step_hook()
         _session = session
+        if session.sharded is not None:
+            resume_sharded.after_register(session.sharded, rt, sharded_model)
 
     path = api.get_checkpoint_path()
     if path is not None:
         step = session.load(path)
         print(f"[jitckpt] rank {rt.cfg.rank}: resumed from {path} at step {step}", flush=True)
+    if session.sharded is not None:
+        resume_sharded.after_restore(session.sharded, rt, path)
     return state
 
 
