@@ -174,16 +174,23 @@ class JitAgent(LocalElasticAgent):
                 self._absorb(m)
         return msgs
 
+    def _of_this_round(self, m: dict) -> bool:
+        """False for a report of an earlier round read late: the reader waits up
+        to SLOT_GRACE_S on a slot a killed writer left empty, so reports written
+        after it can arrive in the next round. Every use of a report for this
+        round's failure, restore or recovery record asks this first."""
+        return m.get("attempt", self._round) == self._round
+
     def _absorb(self, m: dict) -> None:
         ev, rank = m["event"], m.get("rank")
-        if ev in ("loaded", "started") and m.get("attempt", self._round) != self._round:
-            return  # a report of an earlier round read late (this round's facts only)
+        if ev in ("loaded", "started") and not self._of_this_round(m):
+            return  # this round's facts only
         if ev == "registered":
             self._shards[rank] = m["shard"]
             return
         if ev == "finished":
             self._finished.add(rank)
-            fresh = m.get("attempt", self._round) == self._round
+            fresh = self._of_this_round(m)
             if m.get("loaded") is not None and self._loaded.get(rank) is None and fresh:
                 self._loaded[rank] = m["loaded"]
             if self._pending is not None and fresh:
@@ -200,10 +207,9 @@ class JitAgent(LocalElasticAgent):
         # every node reads every rank's reports (the job's decisions need
         # them) but writes only its own ranks' to its timeline
         local = rank is None or rank in self._local_ranks
-        # a report of an earlier round read late (the reader waits up to
-        # SLOT_GRACE_S on a slot a killed writer left empty) goes to the
-        # timeline but says nothing about this round's failure or recovery
-        current = m.get("attempt", self._round) == self._round
+        # an earlier round's report read late goes to the timeline but says
+        # nothing about this round's failure or recovery
+        current = self._of_this_round(m)
         if ev == "resumed":
             if local:
                 self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
@@ -386,7 +392,7 @@ class JitAgent(LocalElasticAgent):
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         # An injected fault's announcement only timestamps the failure; detection
         # is the healthy ranks' (or an exit), as it would be for a real fault.
-        now = [m for m in msgs if m.get("attempt", self._round) == self._round]  # not an earlier round's, read late
+        now = [m for m in msgs if self._of_this_round(m)]
         for m in now:
             if m["event"] == "fault_injected":
                 self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
