@@ -42,7 +42,7 @@ from jitckpt import layout
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
-from . import decide, rdzv, scheduler, transfer, warm
+from . import decide, migrate, rdzv, scheduler, transfer, warm
 from .events import EventLog
 from .wakeup import Wakeup
 
@@ -104,6 +104,9 @@ class _Failure:
         self.done: set[int] = set()  # ranks that will not save (failed, skipped, exited)
         self.reasons: dict[int, str] = {}
         self.responded: set[int] = set()  # ranks that reported anything since the failure
+        # the step each rank last said it is at (failure_detected, save_started):
+        # a live rank ahead of the newest saved replica may still save a newer one
+        self.rank_step: dict[int, int] = {}
         self.progress = -1
         self.minibatch_s: list[float] = []
         self.killed: list[int] = []
@@ -229,6 +232,8 @@ class JitAgent(LocalElasticAgent):
             f.minibatch_s.append(m["minibatch_s"])
         if "step" in m:
             f.progress = max(f.progress, int(m["step"]))
+            if rank is not None and ev in ("failure_detected", "save_started"):
+                f.rank_step[rank] = int(m["step"])
         if ev == "failure_detected":
             f.detected_t = min(f.detected_t, m["t"])
             f.reasons.setdefault(rank, m.get("reason", "?"))
@@ -273,7 +278,10 @@ class JitAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup):
         self._prepare_restore()
-        return super()._start_workers(worker_group)
+        pids = super()._start_workers(worker_group)
+        if migrate.enabled():  # issue 13: where each migratable rank runs
+            migrate.record_workers(self, worker_group)
+        return pids
 
     def _prepare_restore(self) -> None:
         """Make the job's restore step and its replicas present on this node.
@@ -464,10 +472,12 @@ class JitAgent(LocalElasticAgent):
             shards_needed = set(self._shards.values()) or {"0"}
             complete = shards_needed <= {m["shard"] for m in f.saved.values()}
             if complete:
-                if not (f.saving & set(alive)):
+                if self._newer_may_come(f, alive, handlers, termed_at):
+                    pass  # a live replica is ahead of the saved step: its save is the one to restore
+                elif not (f.saving & set(alive)):
                     break
-                # another replica is mid-save: give it a moment, it's not needed
-                if grace_until is None:
+                # another replica of the same step is mid-save: give it a moment, it's not needed
+                elif grace_until is None:
                     grace_until = time.monotonic() + 1.0
                 elif time.monotonic() > grace_until:
                     break
@@ -541,6 +551,26 @@ class JitAgent(LocalElasticAgent):
         culprits = set(f.killed) | {r for r, c in self._exited.items() if c not in (0, EXIT_SAVED, 76)}
         times = [self._life[r][1] for r in culprits if r in self._life]
         return min(times) if times else None
+
+    UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
+
+    def _newer_may_come(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
+        """Every shard has a replica, but could a live rank still publish a newer
+        step? One that is saving (or will save at its next minibatch start) a
+        step past the newest saved, or one that has not answered yet: a rank
+        whose failure was its own SIGTERM saves at its minibatch start while its
+        peer completes that minibatch and moves on; restoring the first replica
+        would redo two minibatches."""
+        newest = max(int(m["step"]) for m in f.saved.values())
+        for r in alive:
+            if r not in self._shards or r in f.done or r in f.saved or _proc_state(procs[r].pid) == "T":
+                continue
+            if r in f.rank_step:
+                if f.rank_step[r] > newest:
+                    return True
+            elif r not in f.responded and time.monotonic() - since < self.UNHEARD_S:
+                return True
+        return False
 
     def _may_still_save(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
         """Could a live rank still publish a checkpoint? Not one without a
