@@ -355,6 +355,13 @@ class Snapshotter:
                 buf, _man = ec_pack.pack_dir(stage, align=k)
             except Exception as e:
                 log(f"rank {self.rank}: EC snapshot at step {step}: pack failed ({e}); skipped")
+        d = ec_dir(self.job)
+        if self.committed is None and g.leader():
+            # Partial versions of an earlier attempt: never mixed with ours. Before the all-gather
+            # below, which no rank of this node passes before its leader: a rank past it may
+            # already be writing this version's (still uncommitted) chunks here.
+            layout.makedirs_private(d)
+            _drop_uncommitted(self.job, d)
         sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0])
         if not all(s[0] for s in sizes):
             if self.rank == 0:
@@ -364,10 +371,7 @@ class Snapshotter:
         assert buf is not None
         codec = _ec.Codec(k, m)
         tolerate = ec_pack.max_node_losses(len(g.nodes), k, m) if len(g.nodes) > 1 else 0
-        d = ec_dir(self.job)
         layout.makedirs_private(d)
-        if self.committed is None and g.leader():
-            _drop_uncommitted(self.job, d)  # partial versions of an earlier attempt: never mixed with ours
         chunks = codec.encode(buf)
         plan = self._plan(g, k, m, tolerate)
         ok = self._place(g, step, k, m, codec, sizes, chunks, plan, d)
