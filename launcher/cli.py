@@ -95,6 +95,9 @@ def _parser():
     g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
                    help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
                         "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec_pack.default_code)")
+    g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # issue 13: launcher/migrate.py
+                   help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
+                        "so CRIU can move it to another node (jitrun migrate); turns warm start off")
     return p
 
 
@@ -321,7 +324,9 @@ def run(args) -> int:
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
         pypath = str(Path(__file__).resolve().parent.parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
-        if args.jit_warm_start == "on" and not intercept:
+        migratable = getattr(args, "jit_migratable", "off") == "on"  # issue 13
+        os.environ.pop("JITCKPT_MIGRATABLE", None)
+        if args.jit_warm_start == "on" and not intercept and not migratable:
             # CUDA and fork do not mix: the GPU path keeps fresh processes.
             from . import warm
 
@@ -331,6 +336,11 @@ def run(args) -> int:
         else:
             # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
             cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
+            if migratable:  # issue 13: launcher/migrate.py
+                from . import migrate
+
+                os.environ[migrate.ENV] = "1"
+                cmd, cmd_args = migrate.wrap(cmd, cmd_args)
 
     from .launch import launch
 

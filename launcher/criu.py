@@ -125,17 +125,30 @@ def check(criu: str | None = None) -> str:
     return f"{criu} (CRIU {version(criu)}), `criu check` passes"
 
 
-def migratable_command(cmd: Sequence[str]) -> list[str]:
+def migratable_command(cmd: Sequence[str], output: str | os.PathLike | None = None) -> list[str]:
     """``cmd`` as PID 1 of its own PID namespace and session leader.
 
     ``unshare --fork`` keeps unshare as the namespace's parent outside it (its
     exit status is the worker's); :func:`ns_init_pid` finds the worker's host
-    PID, the one to dump. Not ``--mount-proc`` (see the module docstring)."""
+    PID, the one to dump. Not ``--mount-proc`` (see the module docstring).
+
+    ``output``: a file the worker's stdin/stdout/stderr become (stdin /dev/null,
+    the others appended to ``output``), opened inside the namespace so nothing
+    else writes to it. Needed for a restore: CRIU restores a regular file only
+    when its size is still the one at dump time, and ``unshare`` itself writes
+    ("sigprocmask unblock failed") to its stderr when its child is killed by the
+    dump; a pipe to a launcher would not survive a move to another node at all.
+    On another node the file must be copied with the images (same path)."""
     unshare = shutil.which("unshare", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
     setsid = shutil.which("setsid", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
     if not unshare or not setsid:
         raise CriuError("unshare/setsid not found; install util-linux (apt-get install util-linux)")
-    return [unshare, "--pid", "--fork", setsid, *cmd]
+    if output is None:
+        return [unshare, "--pid", "--fork", setsid, *cmd]
+    sh = shutil.which("sh", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"])) or "/bin/sh"
+    # sh execs the worker: it is still the namespace's PID 1
+    return [unshare, "--pid", "--fork", setsid, sh, "-c", 'exec </dev/null >>"$0" 2>&1; exec "$@"',
+            str(output), *cmd]
 
 
 def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
@@ -315,3 +328,89 @@ def restore(images_dir: str | os.PathLike, *, tcp_established: bool = True, netw
             return int(pidfile.read_text().strip())
         except (OSError, ValueError) as e:
             raise CriuError(f"criu restore of {d} succeeded but wrote no PID ({e})") from None
+
+
+# -- jitrun's migratable workers (--jit-migratable on) ---------------------------------
+
+CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
+_FORWARD = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT")
+
+
+def migratable_worker_command(cmd: Sequence[str], output_template: str) -> list[str]:
+    """What jitrun runs per rank with ``--jit-migratable on``:
+    ``python -m jitrun.criu exec TEMPLATE -- cmd...``.
+
+    Unlike ``unshare --fork`` (which blocks SIGTERM while it waits, so torchrun's
+    stop signal never reached the worker and no JIT save ran) the wrapper forwards
+    every stop signal to the worker, the namespace's PID 1 (which receives them
+    because jitckpt installs handlers), and exits as the worker did.
+    ``output_template`` is formatted with the worker's environment
+    (``{RANK}``, ``{TORCHELASTIC_RESTART_COUNT}``, ...): the file its output goes to."""
+    import sys
+
+    return [sys.executable, "-m", "jitrun.criu", "exec", output_template, "--", *cmd]
+
+
+def _exec_main(argv: list[str]) -> int:
+    """The wrapper of :func:`migratable_worker_command` (``python -m jitrun.criu exec``)."""
+    import ctypes
+    import signal
+
+    template, sep, *cmd = argv
+    if sep != "--" or not cmd:
+        raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD...")
+    output = template.format_map({**os.environ, "PID": os.getpid()})
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        raise SystemExit(f"unshare(CLONE_NEWPID): {os.strerror(ctypes.get_errno())} (needs root)")
+    # blocked until the handlers are in place: a signal between fork and handler is kept
+    sigs = [getattr(signal, s) for s in _FORWARD]
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            # the worker dies with its wrapper (an agent's SIGKILL of the wrapper, a timeout's
+            # killpg of the wrapper's session): it is in a session of its own, nobody else would
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() == 1:  # the wrapper died before the prctl (parent is the namespace-less init)
+                os._exit(137)
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.closerange(3, 1 << 16)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+            os.execvp(cmd[0], cmd)
+        finally:
+            os._exit(127)
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: os.kill(pid, signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        except ChildProcessError:
+            # dumped by CRIU (killed) and already reaped, or restored elsewhere
+            return 0
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+        return 128 + sig
+    return os.WEXITSTATUS(status)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "exec":
+        raise SystemExit(_exec_main(sys.argv[2:]))
+    raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD...")
