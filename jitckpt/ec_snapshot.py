@@ -17,6 +17,13 @@ enqueue one item per due step (a skipped one as ``None``) so the background thre
 version any rank could not stage is dropped by all; an error in the EC path is logged and disables it for this
 process (the job keeps training, the last committed version stays).
 
+Memory (``--jit-ec-max-mem``, ``JITCKPT_EC_MAX_MEM`` as jitrun resolved it on each node): the first all-gather
+of every version carries each rank's stripe size and its node's cap, so every rank computes the same
+``node_needs`` (``VERSIONS_HELD`` x the chunks a node holds + its ranks' staging) and, if any node is over its
+cap, all disable EC snapshots together before anything is placed, with one ``ec_disabled`` event (rank 0) and
+a stderr line naming the numbers and the flag (``over_cap_message``). Checked at every version from the first.
+When the job ends the agent removes ``job_root`` (``launcher/ec_clean.py``; also ``jitrun clean``).
+
 This module imports no torch at import time: the launcher uses ``scan_node`` / ``choose_version``.
 """
 
@@ -45,6 +52,10 @@ ENV_CODE = "JITCKPT_EC_CODE"  # "K+M" or "auto" (default_code of the node count)
 ENV_SHM = "JITCKPT_EC_SHM"  # base directory instead of /dev/shm (tests simulating several nodes on one host)
 ENV_SOURCE = "JITCKPT_RESTORE_SOURCE"  # "ec": get_checkpoint_path decodes JITCKPT_RESTORE_STEP from chunks
 ENV_FALLBACK = "JITCKPT_EC_FALLBACK_STEP"  # what to load if the EC decode fails job-wide ("none" = fresh)
+ENV_MAX_MEM = "JITCKPT_EC_MAX_MEM"  # bytes of /dev/shm this job's EC files may use on this node (jitrun resolves it)
+ENV_MAX_MEM_HOW = "JITCKPT_EC_MAX_MEM_HOW"  # where the cap came from, for messages ("--jit-ec-max-mem 2G", ...)
+DEFAULT_MAX_MEM_FRACTION = 0.25  # default cap: this fraction of MemAvailable (and at most the /dev/shm size)
+VERSIONS_HELD = 2  # while version v+1 is placed, version v is still the committed one
 
 _CHUNK_RE = re.compile(r"^(?P<job>[A-Za-z0-9._-]+)\.s(?P<step>\d+)\.r(?P<rank>\d+)\.t(?P<stripe>\d+)"
                        r"\.c(?P<index>\d+)\.chunk$")
@@ -74,6 +85,132 @@ def parse_code(text: str | None) -> tuple[int, int] | None:
     if k < 1 or k + mm > 255:
         raise ValueError(f"EC code {text!r}: need K >= 1 and K + M <= 255")
     return k, mm
+
+
+# -- memory cap (--jit-ec-max-mem) ------------------------------------------------------------------------
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as --jit-ec-max-mem reads them)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def parse_size(text: str) -> int:
+    """``"512M"`` -> 536870912: a number of bytes with an optional K/M/G/T suffix (powers of 1024; "KB",
+    "KiB" mean the same). ValueError with the expected form."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTkmgt]?)(?:i?[Bb])?\s*", text or "")
+    if not m:
+        raise ValueError(f"{text!r} is not a size: expected bytes with an optional K/M/G/T suffix "
+                         "(powers of 1024), e.g. 512M or 2G, or a percentage of MemAvailable, e.g. 25%")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"{text!r}: the cap must be more than 0 bytes")
+    return value
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable of this node in bytes (None if the kernel does not say)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                parts = line.split()
+                return int(parts[1]) * (1024 if len(parts) > 2 and parts[2].lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def shm_size(base: Path | None = None) -> int | None:
+    """Total size of the file system that holds the chunks (/dev/shm, a tmpfs), None if unknown."""
+    try:
+        st = os.statvfs(base or shm_base())
+        return st.f_blocks * st.f_frsize
+    except OSError:
+        return None
+
+
+def resolve_max_mem(text: str | None, avail: int | None = None, shm: int | None = None) -> tuple[int, str]:
+    """The per-node cap in bytes for ``--jit-ec-max-mem`` (``None``: the default) and how it was derived.
+
+    Checks what can be checked before the first snapshot: the value parses and is at most MemAvailable and
+    the size of /dev/shm (the chunks live there). ``avail`` / ``shm``: the node's numbers (read when None).
+    Raises ValueError naming the numbers and the fix."""
+    avail = mem_available() if avail is None else avail
+    shm = shm_size() if shm is None else shm
+    where = f"/dev/shm ({shm_base()})" if os.environ.get(ENV_SHM) else "/dev/shm"
+    if text is None or text.strip() in ("", "auto"):
+        if avail is None:
+            raise ValueError("no MemAvailable in /proc/meminfo to derive the default cap from; "
+                             "pass --jit-ec-max-mem SIZE (e.g. 2G)")
+        cap = int(avail * DEFAULT_MAX_MEM_FRACTION)
+        how = f"default: {DEFAULT_MAX_MEM_FRACTION:.0%} of MemAvailable {fmt_bytes(avail)}"
+        if shm is not None and shm < cap:
+            cap, how = shm, f"default: the size of {where}, {fmt_bytes(shm)} (< 25% of MemAvailable)"
+        return cap, how
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise ValueError(f"{text!r}: a percentage of MemAvailable must be in (0, 100], e.g. 25%")
+        if avail is None:
+            raise ValueError(f"{text!r}: no MemAvailable in /proc/meminfo; pass a size instead (e.g. 2G)")
+        cap, how = int(avail * pct / 100), f"--jit-ec-max-mem {t} of MemAvailable {fmt_bytes(avail)}"
+    else:
+        cap, how = parse_size(t), f"--jit-ec-max-mem {t}"
+    if avail is not None and cap > avail:
+        raise ValueError(f"{text!r} = {fmt_bytes(cap)} is more than this node's MemAvailable "
+                         f"({fmt_bytes(avail)}): the snapshots would push the node into swap or the OOM killer; "
+                         f"pass at most {fmt_bytes(avail)} (default {DEFAULT_MAX_MEM_FRACTION:.0%} of it)")
+    if shm is not None and cap > shm:
+        raise ValueError(f"{text!r} = {fmt_bytes(cap)} is more than {where} can hold ({fmt_bytes(shm)}): "
+                         f"the chunks live there; pass at most {fmt_bytes(shm)} or enlarge the tmpfs "
+                         "(mount -o remount,size=... /dev/shm; docker run --shm-size)")
+    return cap, how
+
+
+def node_needs(node_of: Sequence[int], stripe_sizes: Sequence[int], plan: Sequence[tuple[int, int, int]],
+               chunk_size) -> dict[int, dict]:
+    """Bytes of /dev/shm each node needs for the EC files of this job at one version's peak:
+    ``VERSIONS_HELD`` x (the chunks it holds, headers included) + its own ranks' staged save_fn output
+    (about the packed size). ``plan``: (owner rank, chunk index, writer rank) as ``Snapshotter._plan``;
+    ``chunk_size(stripe size)``: the codec's. Pure: every rank computes the same from all-gathered sizes."""
+    out: dict[int, dict] = {}
+    for n in sorted(set(node_of)):
+        out[n] = {"chunks": 0, "chunk_bytes": 0, "largest_chunk": 0, "staged_bytes": 0,
+                  "ranks": [r for r, x in enumerate(node_of) if x == n]}
+    for r, _i, dst in plan:
+        c = ec_pack.CHUNK_HEADER_SIZE + chunk_size(stripe_sizes[r])
+        o = out[node_of[dst]]
+        o["chunks"] += 1
+        o["chunk_bytes"] += c
+        o["largest_chunk"] = max(o["largest_chunk"], c)
+    for r, n in enumerate(node_of):
+        out[n]["staged_bytes"] += stripe_sizes[r]
+    for o in out.values():
+        o["need_bytes"] = VERSIONS_HELD * o["chunk_bytes"] + o["staged_bytes"]
+    return out
+
+
+def over_cap_message(step: int, node: int, need: dict, cap: int, how: str) -> str:
+    """The loud line when a node's share does not fit under its cap: the numbers and the flags to change."""
+    each = (f"{fmt_bytes(need['largest_chunk'])} each" if need["chunks"] * need["largest_chunk"] == need["chunk_bytes"]
+            else f"{fmt_bytes(need['chunk_bytes'])} in all")
+    return (f"EC snapshots DISABLED for this job at step {step}: node {node} (rank(s) "
+            f"{','.join(map(str, need['ranks'][:8]))}{',...' if len(need['ranks']) > 8 else ''}) would hold "
+            f"{VERSIONS_HELD} versions x {need['chunks']} chunk(s) ({each}) + {fmt_bytes(need['staged_bytes'])} "
+            f"staged = {fmt_bytes(need['need_bytes'])} in /dev/shm, over its cap of {fmt_bytes(cap)} ({how}). "
+            f"Raise --jit-ec-max-mem to at least {fmt_bytes(need['need_bytes'])} (at most the node's MemAvailable), "
+            "or spread the chunks thinner (more nodes, a larger K in --jit-ec-code), or snapshot less state. "
+            "Training goes on without EC snapshots (JIT checkpoints are unaffected).")
 
 
 def shm_base() -> Path:
@@ -269,6 +406,13 @@ class Snapshotter:
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jitckpt-ec", daemon=True)
         self._started = False
+        self.cap, self.cap_how = _cap_from_env()
+        self.over_cap: dict | None = None  # why snapshots were disabled for the memory cap (tests, logs)
+        # cost accounting (scripts/bench_ec.py --overhead): main-thread stall per staged snapshot, CPU time of
+        # the background thread per version; printed at exit by rank 0 when JITCKPT_EC_STATS is set
+        self.stall_s: list[float] = []
+        self.stall_cpu_s: list[float] = []
+        self.bg_cpu_s: list[float] = []
 
     # main thread -----------------------------------------------------------------
 
@@ -294,6 +438,7 @@ class Snapshotter:
             self._q.put((step, None))
             return
         stage = job_root(self.job) / "stage" / f"r{self.rank}.s{step}"
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             old = os.umask(0o077)
             try:
@@ -314,14 +459,29 @@ class Snapshotter:
             self._q.put((step, None))
             return
         self.busy.set()
+        self.stall_s.append(time.perf_counter() - t0)
+        self.stall_cpu_s.append(time.thread_time() - c0)
         self._q.put((step, stage))
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """At process exit: let the snapshot in flight finish (all ranks end after the same steps)."""
-        if not self._started or self.disabled:
-            return
-        self._q.put(None)
-        self._thread.join(timeout_s)
+        if self._started and not self.disabled:
+            self._q.put(None)
+            self._thread.join(timeout_s)
+        if os.environ.get("JITCKPT_EC_STATS") and self.rank == 0:
+            print("[jitckpt] EC stats: " + json.dumps(self.stats()), file=sys.stderr, flush=True)
+
+    def stats(self) -> dict:
+        """What the snapshots cost this process so far (seconds) and what came of them."""
+        def med(xs: list[float]) -> float | None:
+            return sorted(xs)[len(xs) // 2] if xs else None
+
+        return {"rank": self.rank, "every": self.every, "staged": len(self.stall_s), "versions": len(self.bg_cpu_s),
+                "committed": self.committed, "disabled": self.disabled, "stall_s_median": med(self.stall_s),
+                "stall_s_total": sum(self.stall_s), "stall_cpu_s_median": med(self.stall_cpu_s),
+                # the first version also sets up the EC gloo group: left out of the median when there are others
+                "bg_cpu_s_median": med(self.bg_cpu_s[1:] or self.bg_cpu_s),
+                "bg_cpu_s_total": sum(self.bg_cpu_s)}
 
     # background thread -------------------------------------------------------------
 
@@ -331,9 +491,12 @@ class Snapshotter:
             if item is None:
                 return
             step, stage = item
+            c0 = time.thread_time()
             try:
                 if not self.disabled:
                     self._version(step, stage)
+                    if stage is not None:
+                        self.bg_cpu_s.append(time.thread_time() - c0)
             except Exception as e:  # a peer gone, a timeout: the job is failing or EC is broken here
                 self.disabled = True
                 log(f"rank {self.rank}: EC snapshots disabled after an error at step {step} "
@@ -362,7 +525,8 @@ class Snapshotter:
             # already be writing this version's (still uncommitted) chunks here.
             layout.makedirs_private(d)
             _drop_uncommitted(self.job, d)
-        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0])
+        # [staged, stripe size, this node's cap]: the memory check below needs no collective of its own
+        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap])
         if not all(s[0] for s in sizes):
             if self.rank == 0:
                 log(f"EC snapshot at step {step} skipped by every rank: rank(s) "
@@ -371,9 +535,11 @@ class Snapshotter:
         assert buf is not None
         codec = _ec.Codec(k, m)
         tolerate = ec_pack.max_node_losses(len(g.nodes), k, m) if len(g.nodes) > 1 else 0
+        plan = self._plan(g, k, m, tolerate)
+        if self._over_cap(g, step, sizes, plan, codec):
+            return
         layout.makedirs_private(d)
         chunks = codec.encode(buf)
-        plan = self._plan(g, k, m, tolerate)
         ok = self._place(g, step, k, m, codec, sizes, chunks, plan, d)
         if not g.all_ok(ok):
             log(f"rank {self.rank}: EC snapshot at step {step} not committed: a chunk could not be placed")
@@ -389,6 +555,36 @@ class Snapshotter:
         self.committed = step
         if g.leader():
             _drop_other_versions(self.job, d, keep=step)
+
+    def _over_cap(self, g: Group, step: int, sizes, plan, codec) -> bool:
+        """--jit-ec-max-mem: does every node's share (two versions of its chunks + its staging) fit under
+        its cap? Every rank computes the same from the all-gathered sizes and caps, so all disable together
+        (the older committed version, if any, stays). One event (rank 0) and one stderr line per node over."""
+        needs = node_needs(g.node_of, [s[1] for s in sizes], plan, codec.chunk_size)
+        over = []
+        for n, need in needs.items():
+            cap = min(sizes[r][2] for r in need["ranks"])
+            if need["need_bytes"] > cap:
+                over.append((n, need, cap))
+        if not over:
+            return False
+        self.disabled = True
+        n, need, cap = max(over, key=lambda o: o[1]["need_bytes"] - o[2])
+        self.over_cap = {"node": n, "need_bytes": need["need_bytes"], "cap_bytes": cap, "step": step}
+        mine = next((o for o in over if o[0] == g.node), None)
+        if self.rank == 0 or (mine is not None and g.leader()):
+            nn, nneed, ncap = mine or (n, need, cap)
+            how = self.cap_how if nn == g.node else "that node's --jit-ec-max-mem"
+            log("ERROR: " + over_cap_message(step, nn, nneed, ncap, how)
+                + (f" ({len(over)} node(s) over their caps)" if len(over) > 1 else ""))
+        if self.rank == 0:
+            self.rt.report("ec_disabled", reason="memory_cap", step=step, ec_node=n, ec_nodes_over=[o[0] for o in over],
+                           need_bytes=need["need_bytes"], cap_bytes=cap, versions=VERSIONS_HELD,
+                           chunks=need["chunks"], chunk_bytes=need["chunk_bytes"], staged_bytes=need["staged_bytes"],
+                           flag="--jit-ec-max-mem",
+                           message=over_cap_message(step, n, need, cap,
+                                                    self.cap_how if n == g.node else "--jit-ec-max-mem"))
+        return True
 
     @staticmethod
     def _plan(g: Group, k: int, m: int, tolerate: int) -> list[tuple[int, int, int]]:
@@ -465,6 +661,20 @@ def _drop_other_versions(job_id: str, d: Path, keep: int) -> None:
     for step, p in files:
         if step != keep:
             p.unlink(missing_ok=True)
+
+
+def _cap_from_env() -> tuple[int, str]:
+    """This node's cap as jitrun resolved it (JITCKPT_EC_MAX_MEM); outside jitrun, the default."""
+    raw = os.environ.get(ENV_MAX_MEM)
+    if raw:
+        try:
+            return int(raw), os.environ.get(ENV_MAX_MEM_HOW) or f"{ENV_MAX_MEM}={raw}"
+        except ValueError:
+            log(f"{ENV_MAX_MEM}={raw!r} is not a number of bytes; using the default cap")
+    try:
+        return resolve_max_mem(None)
+    except ValueError:
+        return 1 << 62, "no cap (MemAvailable unknown)"
 
 
 _snapshotter: Snapshotter | None = None

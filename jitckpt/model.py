@@ -30,8 +30,12 @@ __all__ = [
     "SECONDS_PER_HOUR",
     "CostParams",
     "failures_per_gpu_second",
+    "ec_overhead",
+    "jit_backstop_waste",
+    "jit_ec_waste",
     "jit_transparent_waste",
     "jit_user_waste",
+    "optimal_ec_interval",
     "optimal_checkpoint_frequency",
     "periodic_optimal_waste",
     "periodic_waste",
@@ -179,3 +183,85 @@ def wasted_fraction(w: float) -> float:
         "w (wasted time per unit time)", w, positive=False, unit="seconds per second"
     )
     return w / (1.0 + w)
+
+
+# -- the EC tier (issue 12): JIT + erasure-coded in-memory snapshots ------------------------------------------
+#
+# The paper's JIT recovery assumes a healthy data-parallel replica of every shard survives the failure. Let
+# ``p`` (--correlated-fraction) be the fraction of failures that take every replica of some shard (a job-wide
+# crash, a power domain, a switch): then no JIT checkpoint can be taken. Of those, a fraction ``q``
+# (--ec-undecodable-fraction) also loses more than M nodes' memory, so the EC snapshots cannot be decoded either.
+# With EC snapshots every ``T_ec`` seconds (``--jit-ec-every N``: T_ec = N m), each costing ``s`` seconds of
+# training stall (the save_fn into tmpfs; packing, coding and placing run in the background):
+#
+#   o_ec = s / T_ec                                                          steady-state EC overhead
+#   w_jit+ec = o_jit + o_ec + N f r + (1-p) f o                              JIT save on the failures it covers
+#            + N f [ (1-p) m/2 + p (1-q) T_ec/2 ]                            redone work: 1/2 minibatch or 1/2 interval
+#            + sqrt(2 N f p q o)                                             persistent backstop for the rest
+#
+# The last term is periodic checkpointing (eq. 1) at its optimal frequency c_b = sqrt(N f p q / (2 o)) for the
+# failures neither JIT nor EC covers: c_b o + N f p q / (2 c_b). Without EC (q = 1, o_ec = 0) this is "JIT +
+# periodic backstop" (``jit_backstop_waste``); with p = 0 both reduce to the paper's eq. 7 (``jit_user_waste``).
+# The EC interval that minimises w_jit+ec is T_ec* = sqrt(2 s / (N f p (1-q))) (``optimal_ec_interval``).
+
+
+def _check_fraction(name: str, value: float) -> float:
+    v = _check_number(name, value, positive=False, unit="fraction in [0, 1]")
+    if v > 1:
+        raise ValueError(f"{name} must be a fraction in [0, 1], got {value!r}")
+    return v
+
+
+def ec_overhead(snapshot_seconds: float, interval_seconds: float) -> float:
+    """``o_ec = s / T_ec``: training stall per EC snapshot over the time between snapshots (a fraction)."""
+    s = _check_number("snapshot_seconds (s)", snapshot_seconds, positive=False, unit="seconds per snapshot")
+    t = _check_number("interval_seconds (T_ec)", interval_seconds, positive=True, unit="seconds between snapshots")
+    return s / t
+
+
+def _backstop(nf: float, o: float, uncovered: float) -> float:
+    """Optimal periodic checkpoints for the fraction ``uncovered`` of failures: ``sqrt(2 N f u o)``."""
+    return math.sqrt(2.0 * nf * uncovered * o)
+
+
+def jit_backstop_waste(p: CostParams, n_gpus: int, correlated_fraction: float) -> float:
+    """User-level JIT plus optimal periodic persistent checkpoints for the correlated failures (no EC).
+
+    ``w = o_jit + N f r + (1-p) f o + N f (1-p) m/2 + sqrt(2 N f p o)``; equals :func:`jit_user_waste` at p = 0.
+    """
+    n = _check_gpus(n_gpus)
+    c = _check_fraction("correlated_fraction (p)", correlated_fraction)
+    nf = n * p.failure_rate
+    return (p.jit_overhead + nf * p.restore_seconds + (1 - c) * p.failure_rate * p.ckpt_seconds
+            + nf * (1 - c) * p.minibatch_seconds / 2.0 + _backstop(nf, p.ckpt_seconds, c))
+
+
+def jit_ec_waste(p: CostParams, n_gpus: int, correlated_fraction: float, ec_interval_seconds: float,
+                 ec_snapshot_seconds: float = 0.0, undecodable_fraction: float = 0.0) -> float:
+    """User-level JIT with EC snapshots every ``ec_interval_seconds`` as the fallback (see the block comment).
+
+    ``w = o_jit + s/T_ec + N f r + (1-p) f o + N f [(1-p) m/2 + p (1-q) T_ec/2] + sqrt(2 N f p q o)``.
+    """
+    n = _check_gpus(n_gpus)
+    c = _check_fraction("correlated_fraction (p)", correlated_fraction)
+    q = _check_fraction("undecodable_fraction (q)", undecodable_fraction)
+    t = _check_number("ec_interval_seconds (T_ec)", ec_interval_seconds, positive=True, unit="seconds")
+    nf = n * p.failure_rate
+    redo = (1 - c) * p.minibatch_seconds / 2.0 + c * (1 - q) * t / 2.0
+    return (p.jit_overhead + ec_overhead(ec_snapshot_seconds, t) + nf * p.restore_seconds
+            + (1 - c) * p.failure_rate * p.ckpt_seconds + nf * redo + _backstop(nf, p.ckpt_seconds, c * q))
+
+
+def optimal_ec_interval(p: CostParams, n_gpus: int, correlated_fraction: float, ec_snapshot_seconds: float,
+                        undecodable_fraction: float = 0.0) -> float:
+    """``T_ec* = sqrt(2 s / (N f p (1-q)))`` seconds: balances the snapshot stall against half an interval
+    redone on the failures only EC covers. ``inf`` when EC covers none (p = 0 or q = 1): snapshots off;
+    0 when snapshots cost nothing (s = 0)."""
+    n = _check_gpus(n_gpus)
+    c = _check_fraction("correlated_fraction (p)", correlated_fraction)
+    q = _check_fraction("undecodable_fraction (q)", undecodable_fraction)
+    s = _check_number("ec_snapshot_seconds (s)", ec_snapshot_seconds, positive=False, unit="seconds per snapshot")
+    covered = n * p.failure_rate * c * (1 - q)
+    if covered == 0:
+        return math.inf
+    return math.sqrt(2.0 * s / covered)

@@ -39,7 +39,9 @@ commands:
   jitrun plan     the cost model: JIT vs periodic checkpointing for a job and
                   cluster (jitrun plan --help)
   jitrun events   merge the event logs of several nodes (jitrun events --help)
-  jitrun doctor   whether CRIU, network namespaces, the shim and ISA-L work here"""
+  jitrun doctor   whether CRIU, network namespaces, the shim and ISA-L work here
+  jitrun clean    free a job's EC snapshot chunks in /dev/shm and its jit dir's stale
+                  temp files (jitrun clean --help)"""
 
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
@@ -59,7 +61,8 @@ def _parser():
     p.usage = ("jitrun [torchrun options] [--jit-* options] training_script [args ...]\n"
                "       jitrun plan [options]     (jitrun plan --help)\n"
                "       jitrun events [options]   (jitrun events --help)\n"
-               "       jitrun doctor             (jitrun doctor --help)")
+               "       jitrun doctor             (jitrun doctor --help)\n"
+               "       jitrun clean --jit-dir DIR (jitrun clean --help)")
     p.description = _DESCRIPTION
     p.epilog = _EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -95,6 +98,12 @@ def _parser():
     g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
                    help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
                         "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec_pack.default_code)")
+    g.add_argument("--jit-ec-max-mem", default=None, metavar="SIZE",
+                   help="most /dev/shm memory this job's EC snapshots may use on each node: bytes with a K/M/G/T "
+                        "suffix (powers of 1024) or a percentage of MemAvailable (default 25%% of MemAvailable, "
+                        "at most the size of /dev/shm). Checked at start (at most MemAvailable) and at every "
+                        "snapshot from the first (2 versions of the node's chunks + staging must fit; else EC "
+                        "snapshots are disabled for the job, loudly, and training goes on)")
     g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # issue 13: launcher/migrate.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
                         "so CRIU can move it to another node (jitrun migrate); turns warm start off")
@@ -112,6 +121,17 @@ def _check_ec(args) -> str | None:
         code = ec_snapshot.parse_code(getattr(args, "jit_ec_code", "auto"))
     except ValueError as e:
         return f"--jit-ec-code: {e}"
+    max_mem = getattr(args, "jit_ec_max_mem", None)
+    if max_mem is not None:
+        try:
+            ec_snapshot.resolve_max_mem(max_mem)  # parses, <= MemAvailable and the size of /dev/shm
+        except ValueError as e:
+            return f"--jit-ec-max-mem {e}"
+    elif every:
+        try:
+            ec_snapshot.resolve_max_mem(None)
+        except ValueError as e:
+            return f"--jit-ec-every {every}: {e}"
     if code is None or not every:
         return None
     from torch.distributed.run import parse_min_max_nnodes
@@ -241,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import doctor
 
         return doctor.main(argv[1:])
+    if argv[:1] == ["clean"]:
+        from . import ec_clean
+
+        return ec_clean.main(argv[1:])
     args = _parser().parse_args(argv)
     args.argv = list(argv)  # a replacement agent is started with the same command
     return run(args)
@@ -276,6 +300,9 @@ def run(args) -> int:
                   "(--jit-resume)", flush=True)
         else:
             moved = layout.retire_finished(root)
+            from .ec_clean import free_at_end  # EC chunks of the finished run are never restored (issue 12)
+
+            free_at_end(job_id)
             print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
                   f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
     timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
@@ -287,6 +314,15 @@ def run(args) -> int:
     # EC snapshots (issue 12): workers read these; 0 = off, nothing of it runs
     os.environ.update({"JITCKPT_EC_EVERY": str(getattr(args, "jit_ec_every", 0)),
                        "JITCKPT_EC_CODE": getattr(args, "jit_ec_code", "auto")})
+    if getattr(args, "jit_ec_every", 0):
+        from jitckpt import ec_snapshot
+
+        try:
+            cap, how = ec_snapshot.resolve_max_mem(getattr(args, "jit_ec_max_mem", None))  # as in check_args
+        except ValueError as e:  # MemAvailable dropped since check_args
+            print(f"jitrun: error: --jit-ec-max-mem {e}", file=sys.stderr)
+            return 2
+        os.environ.update({ec_snapshot.ENV_MAX_MEM: str(cap), ec_snapshot.ENV_MAX_MEM_HOW: how})
     for k in ("JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"):
         os.environ.pop(k, None)
     intercept = _want_intercept(args.jit_intercept)

@@ -7,6 +7,16 @@ Example::
 
 ``--from-events PATH`` takes o, r and m from a run's ``events.jsonl``; explicit
 flags override them. Exit status: 0 on success, 2 on bad input.
+
+The EC tier (issue 12; formulas in ``jitckpt.model``): ``--correlated-fraction P``
+(failures that take every replica of a shard, so no JIT checkpoint is possible) adds
+"JIT + periodic backstop" (persistent checkpoints at their optimal rate for those
+failures); ``--ec-every N`` with ``--ec-snapshot-seconds S`` (or ``--ec-overhead``)
+adds "JIT + EC" and the EC interval that minimises its waste::
+
+    jitrun plan --ckpt-seconds 60 --restore-seconds 30 --minibatch-seconds 1 \\
+        --failures-per-gpu-day 2e-3 --gpus 1024 8192 --correlated-fraction 0.1 \\
+        --ec-every 50 --ec-snapshot-seconds 0.5
 """
 
 from __future__ import annotations
@@ -111,7 +121,112 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="read O, R and M from a run's events.jsonl",
     )
+    _add_ec_arguments(parser)
     return parser
+
+
+# -- the EC tier (issue 12): additive; without these flags the output is the paper's table as before ----------
+
+
+def _add_ec_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "EC tier (jitrun --jit-ec-every): JIT + erasure-coded in-memory snapshots vs periodic checkpoints")
+    g.add_argument("--correlated-fraction", type=float, metavar="P",
+                   help="fraction of failures that take every replica of a shard (no JIT checkpoint possible: "
+                        "job-wide crash, power domain, switch); default 0")
+    g.add_argument("--ec-every", type=int, metavar="N",
+                   help="EC snapshot interval in minibatches (jitrun --jit-ec-every N)")
+    g.add_argument("--ec-snapshot-seconds", type=float, metavar="S",
+                   help="training stall per EC snapshot in seconds (save_fn into tmpfs; the coding runs in the "
+                        "background); o_ec = S / (N * M)")
+    g.add_argument("--ec-overhead", type=float, metavar="FRACTION",
+                   help="measured EC steady-state overhead at --ec-every (e.g. 0.01 for 1%%, "
+                        "scripts/bench_ec.py --overhead); instead of --ec-snapshot-seconds")
+    g.add_argument("--ec-undecodable-fraction", type=float, default=0.0, metavar="Q",
+                   help="fraction of the correlated failures that also lose more than M nodes' memory, so the "
+                        "EC snapshot cannot be decoded either (default 0)")
+
+
+def _ec_options(args: argparse.Namespace, minibatch_seconds: float) -> tuple[dict | None, list[str]]:
+    """The EC inputs as a dict for :func:`ec_columns` (None: no EC flag given), and notes."""
+    given = [args.correlated_fraction, args.ec_every, args.ec_snapshot_seconds, args.ec_overhead]
+    if all(v is None for v in given) and args.ec_undecodable_fraction == 0:
+        return None, []
+    for flag, v in (("--correlated-fraction", args.correlated_fraction),
+                    ("--ec-undecodable-fraction", args.ec_undecodable_fraction)):
+        if v is not None and not (math.isfinite(v) and 0 <= v <= 1):
+            raise PlanError(f"{flag} must be a fraction in [0, 1], got {v!r}")
+    if args.ec_every is not None and args.ec_every < 1:
+        raise PlanError(f"--ec-every must be a number of minibatches >= 1, got {args.ec_every}")
+    if args.ec_snapshot_seconds is not None and args.ec_overhead is not None:
+        raise PlanError("--ec-snapshot-seconds and --ec-overhead say the same thing; pass one of them")
+    for flag, v in (("--ec-snapshot-seconds", args.ec_snapshot_seconds), ("--ec-overhead", args.ec_overhead)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise PlanError(f"{flag} must be >= 0, got {v!r}")
+    if args.ec_overhead is not None and args.ec_every is None:
+        raise PlanError("--ec-overhead is the overhead measured at an interval: pass --ec-every N too")
+    p = args.correlated_fraction if args.correlated_fraction is not None else 0.0
+    q = args.ec_undecodable_fraction
+    notes = [f"correlated failures (every replica of a shard lost) p = {p:g}; of those undecodable q = {q:g}"]
+    snap = args.ec_snapshot_seconds
+    if args.ec_overhead is not None:
+        snap = args.ec_overhead * args.ec_every * minibatch_seconds
+        notes.append(f"EC stall per snapshot s = {args.ec_overhead:g} x {args.ec_every} x "
+                     f"{minibatch_seconds:g} s = {snap:.3g} s  [--ec-overhead]")
+    elif snap is not None:
+        notes.append(f"EC stall per snapshot s = {snap:g} s  [--ec-snapshot-seconds]")
+    elif args.ec_every is not None:
+        snap = 0.0
+        notes.append("EC stall per snapshot not given: s = 0 (pass --ec-snapshot-seconds or --ec-overhead)")
+    if args.ec_every is not None:
+        t = args.ec_every * minibatch_seconds
+        notes.append(f"EC snapshot every {args.ec_every} minibatches = {t:g} s; o_ec = {snap / t:.3g}")
+    if p == 0 and args.ec_every is not None:
+        notes.append("with no correlated failures EC snapshots are pure overhead (pass --correlated-fraction)")
+    return {"p": p, "q": q, "every": args.ec_every, "snap": snap}, notes
+
+
+def ec_columns(params: model.CostParams, n: int, ec: dict) -> dict[str, float | int | None]:
+    """The EC tier's entries of one row (fractions; see jitckpt.model for the formulas)."""
+    p, q, every, snap = ec["p"], ec["q"], ec["every"], ec["snap"]
+    nf = n * params.failure_rate
+    row: dict[str, float | int | None] = {
+        "correlated_fraction": p,
+        "jit_backstop_wasted_fraction": model.wasted_fraction(model.jit_backstop_waste(params, n, p)),
+        "backstop_per_hour": math.sqrt(nf * p / (2 * params.ckpt_seconds)) * model.SECONDS_PER_HOUR,
+    }
+    if every is not None:
+        t = every * params.minibatch_seconds
+        row["ec_every"] = every
+        row["ec_overhead"] = model.ec_overhead(snap, t)
+        row["jit_ec_wasted_fraction"] = model.wasted_fraction(model.jit_ec_waste(params, n, p, t, snap, q))
+        row["ec_backstop_per_hour"] = math.sqrt(nf * p * q / (2 * params.ckpt_seconds)) * model.SECONDS_PER_HOUR
+    if snap:
+        t_opt = model.optimal_ec_interval(params, n, p, snap, q)
+        best = None if math.isinf(t_opt) else max(1, round(t_opt / params.minibatch_seconds))
+        row["ec_every_optimal"] = best
+        row["jit_ec_optimal_wasted_fraction"] = (
+            None if best is None else model.wasted_fraction(
+                model.jit_ec_waste(params, n, p, best * params.minibatch_seconds, snap, q)))
+    return row
+
+
+_EC_TABLE = (  # (row key, header, format)
+    ("jit_backstop_wasted_fraction", "JIT+periodic backstop", "pct"),
+    ("jit_ec_wasted_fraction", "JIT+EC waste", "pct"),
+    ("ec_every_optimal", "best --jit-ec-every", "int"),
+    ("jit_ec_optimal_wasted_fraction", "JIT+EC at best", "pct"),
+)
+
+
+def _ec_cells(row: dict) -> list[tuple[str, str]]:
+    cells = []
+    for key, head, kind in _EC_TABLE:
+        if key not in row:
+            continue
+        v = row[key]
+        cells.append((head, "off" if v is None else f"{100 * float(v):.4f}%" if kind == "pct" else str(v)))
+    return cells
 
 
 def _median_field(events: list[dict], event_name: str, key: str) -> float | None:
@@ -214,7 +329,7 @@ def _resolve_params(args: argparse.Namespace) -> tuple[model.CostParams, list[st
 
 
 def plan_rows(
-    params: model.CostParams, gpus: Sequence[int]
+    params: model.CostParams, gpus: Sequence[int], ec: dict | None = None
 ) -> list[dict[str, float | int]]:
     """One dict per job size with the keys emitted by ``--json`` (fractions, not percent)."""
     rows: list[dict[str, float | int]] = []
@@ -233,6 +348,7 @@ def plan_rows(
                 "jit_transparent_wasted_fraction": model.wasted_fraction(
                     model.jit_transparent_waste(params, n)
                 ),
+                **(ec_columns(params, n, ec) if ec is not None else {}),
             }
         )
     return rows
@@ -260,7 +376,10 @@ def format_table(rows: list[dict[str, float | int]]) -> str:
                 f"{100 * float(row['jit_user_wasted_fraction']):.4f}%",
                 f"{100 * float(row['jit_transparent_wasted_fraction']):.4f}%",
             )
+            + tuple(cell for _h, cell in _ec_cells(row))
         )
+    if rows and _ec_cells(rows[0]):
+        header = header + tuple(h for h, _c in _ec_cells(rows[0]))
     widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
     lines = [
         "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in (header, *body)
@@ -276,6 +395,11 @@ _VALUE_FLAGS = frozenset(
         "--minibatch-seconds",
         "--failures-per-gpu-day",
         "--overhead-per-minibatch",
+        "--correlated-fraction",
+        "--ec-every",
+        "--ec-snapshot-seconds",
+        "--ec-overhead",
+        "--ec-undecodable-fraction",
     }
 )
 
@@ -319,10 +443,12 @@ def main(
         return exc.code if isinstance(exc.code, int) else 2
     try:
         params, notes = _resolve_params(args)
+        ec, ec_notes = _ec_options(args, params.minibatch_seconds)
     except PlanError as exc:
         print(f"{PROG}: error: {exc}", file=err)
         return 2
-    rows = plan_rows(params, args.gpus)
+    notes += ec_notes
+    rows = plan_rows(params, args.gpus, ec)
     if args.json:
         print(json.dumps(rows, indent=2), file=out)
     else:
