@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,3 +216,34 @@ class Cluster:
         self._made.clear()
         if not os.environ.get("JITCKPT_KEEP_CLUSTER_DIR"):
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# CRIU across nodes (tests/test_criu.py, tests/test_migrate_mechanism.py): run on the target
+# node, waits for the copied images, restores them as the child subreaper, waits for the worker.
+CRIU_RESTORE_ON_NODE = textwrap.dedent('''
+    import ctypes, os, sys, time
+    from jitrun import criu
+    images = sys.argv[1]
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored tree becomes ours
+    while not os.path.exists(os.path.join(images, "copied")):
+        time.sleep(0.02)
+    os.unlink(os.path.join(images, "copied"))
+    t0 = time.monotonic()
+    pid = criu.restore(images)
+    print(f"RESTORED {time.monotonic() - t0:.3f} {pid}", flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(f"EXIT {os.waitstatus_to_exitcode(status)}", flush=True)
+''')
+
+
+def wait_for_line(proc: Proc, word: str, timeout: float) -> str:
+    """The first line of ``proc``'s output starting with ``word``; fails when the
+    process exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in proc.output().splitlines():
+            if line.startswith(word):
+                return line
+        assert proc.popen.poll() is None, f"{proc.name} exited:\n{proc.output()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {word} within {timeout}s:\n{proc.output()[-3000:]}"
+        time.sleep(0.05)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from jitrun import criu
-from netns import Cluster, copy_dir
+from netns import CRIU_RESTORE_ON_NODE, Cluster, copy_dir, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150  # 20 ms each: the dump must land mid-run even on a loaded machine
@@ -288,33 +288,6 @@ NODE_DUMP = textwrap.dedent('''
     time.sleep(600)  # keep this mount namespace (and the images on its tmpfs) for the copy
 ''')
 
-# Runs on another node: wait for the images, restore, wait for the worker to finish.
-NODE_RESTORE = textwrap.dedent('''
-    import ctypes, os, sys, time
-    from jitrun import criu
-    images = sys.argv[1]
-    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored tree becomes ours
-    while not os.path.exists(os.path.join(images, "copied")):
-        time.sleep(0.02)
-    os.unlink(os.path.join(images, "copied"))
-    t0 = time.monotonic()
-    pid = criu.restore(images)
-    print(f"RESTORED {time.monotonic() - t0:.3f} {pid}", flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(f"EXIT {os.waitstatus_to_exitcode(status)}", flush=True)
-''')
-
-
-def _wait_for(proc, word: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in proc.output().splitlines():
-            if line.startswith(word):
-                return line
-        assert proc.popen.poll() is None or time.monotonic() < deadline, proc.output()[-3000:]
-        assert time.monotonic() < deadline, f"no {word} within {timeout}s:\n{proc.output()[-3000:]}"
-        time.sleep(0.05)
-
 
 def test_dump_on_one_node_restores_on_another(criu_bin, tmp_path):
     why = Cluster.unavailable()
@@ -325,7 +298,7 @@ def test_dump_on_one_node_restores_on_another(criu_bin, tmp_path):
         worker = share / "worker.py"
         worker.write_text(PY_WORKER)
         (share / "dump.py").write_text(NODE_DUMP.format(steps=STEPS))
-        (share / "restore.py").write_text(NODE_RESTORE)
+        (share / "restore.py").write_text(CRIU_RESTORE_ON_NODE)
         out = share / "out.txt"
         priv0, priv1 = str(tmp_path / "node0"), str(tmp_path / "node1")
         env = {"PYTHONPATH": str(ROOT), criu.CRIU_ENV: criu_bin}
@@ -333,13 +306,13 @@ def test_dump_on_one_node_restores_on_another(criu_bin, tmp_path):
                                 name="dump", env=env, private_dirs=(priv0,))
         restorer = c.nodes[1].run([sys.executable, str(share / "restore.py"), priv1 + "/images"],
                                   name="restore", env=env, private_dirs=(priv1,))
-        dumped = _wait_for(dumper, "DUMPED", 60)
+        dumped = wait_for_line(dumper, "DUMPED", 60)
         # both nodes' dirs are private tmpfs: the host (and the other node) sees neither
         assert not Path(priv0, "images").exists() and not Path(priv1, "images").exists()
         copy_dir(dumper, priv0 + "/images", restorer, priv1 + "/images")
         restorer.host_path(priv1 + "/images/copied").touch()
-        restored = _wait_for(restorer, "RESTORED", 60)
-        assert _wait_for(restorer, "EXIT", 60) == "EXIT 0", restorer.output()
+        restored = wait_for_line(restorer, "RESTORED", 60)
+        assert wait_for_line(restorer, "EXIT", 60) == "EXIT 0", restorer.output()
         assert _lines(out) == _expected_py(STEPS)
         print(f"node0 -> node1: {dumped}, {restored}")
 

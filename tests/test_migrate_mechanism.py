@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from jitrun import criu
-from netns import Cluster, copy_dir
+from netns import CRIU_RESTORE_ON_NODE, Cluster, copy_dir, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -284,33 +284,6 @@ NODE_DUMP = textwrap.dedent('''
     time.sleep(600)  # keep this mount namespace (and the images on its tmpfs) for the copy
 ''')
 
-# On the target node: wait for the copied images, restore, wait for the worker to finish.
-NODE_RESTORE = textwrap.dedent('''
-    import ctypes, os, sys, time
-    from jitrun import criu
-    images = sys.argv[1]
-    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored tree becomes ours
-    while not os.path.exists(os.path.join(images, "copied")):
-        time.sleep(0.02)
-    os.unlink(os.path.join(images, "copied"))
-    t0 = time.monotonic()
-    pid = criu.restore(images)
-    print(f"RESTORED {time.monotonic() - t0:.3f} {pid}", flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(f"EXIT {os.waitstatus_to_exitcode(status)}", flush=True)
-''')
-
-
-def _wait_for(proc, word: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        for line in proc.output().splitlines():
-            if line.startswith(word):
-                return line
-        assert proc.popen.poll() is None, f"{proc.name} exited:\n{proc.output()[-3000:]}"
-        assert time.monotonic() < deadline, f"no {word} within {timeout}s:\n{proc.output()[-3000:]}"
-        time.sleep(0.05)
-
 
 def test_gloo_rank_migrates_to_another_node(criu_bin, local, tmp_path):
     """rank 0 on node 0 (with the store), rank 1 starts on node 1 and moves to node 2.
@@ -324,7 +297,7 @@ def test_gloo_rank_migrates_to_another_node(criu_bin, local, tmp_path):
     with Cluster(3, tag="mg") as c:
         share = c.dir  # the control dir and the worker logs, seen by every node at the same path
         for name, text in (("worker.py", WORKER), ("store.py", NODE_STORE), ("dump.py", NODE_DUMP),
-                           ("restore.py", NODE_RESTORE)):
+                           ("restore.py", CRIU_RESTORE_ON_NODE)):
             (share / name).write_text(text)
         ctl = share / "ctl"
         ctl.mkdir()
@@ -332,7 +305,7 @@ def test_gloo_rank_migrates_to_another_node(criu_bin, local, tmp_path):
         env = {"PYTHONPATH": str(ROOT), criu.CRIU_ENV: criu_bin, "GLOO_SOCKET_IFNAME": "eth0",
                "OMP_NUM_THREADS": "1"}
         store = c.nodes[0].run([sys.executable, str(share / "store.py"), host, str(port)], name="store", env=env)
-        _wait_for(store, "STORE", 60)
+        wait_for_line(store, "STORE", 60)
 
         def args(r):
             return [sys.executable, str(share / "worker.py"), str(ctl), str(r), "2", host, str(port), str(STEPS),
@@ -345,17 +318,17 @@ def test_gloo_rank_migrates_to_another_node(criu_bin, local, tmp_path):
                                 name="dump", env=env, private_dirs=(priv1,))
         restorer = c.nodes[2].run([sys.executable, str(share / "restore.py"), priv2 + "/images"],
                                   name="restore", env=env, private_dirs=(priv2,))
-        dumped = _wait_for(dumper, "DUMPED", 180)
+        dumped = wait_for_line(dumper, "DUMPED", 180)
         paused = [json.loads((ctl / f"rank{r}" / "paused-1.json").read_text()) for r in range(2)]
         assert all(p["inet_socket_fds"] == [] for p in paused), paused
         assert not Path(priv1, "images").exists(), "node 1's images are on its own tmpfs"
         copy_dir(dumper, priv1 + "/images", restorer, priv2 + "/images")
         restorer.host_path(priv2 + "/images/copied").touch()
-        restored = _wait_for(restorer, "RESTORED", 60)
+        restored = wait_for_line(restorer, "RESTORED", 60)
         for r in range(2):
             resume = {"gen": 1, "store": [host, port], "prefix": "g1", "env": {"GLOO_SOCKET_IFNAME": "eth0"}}
             (ctl / f"rank{r}" / "resume-1.json").write_text(json.dumps(resume))
-        assert _wait_for(restorer, "EXIT", 120) == "EXIT 0", (share / "rank1.log").read_text()[-3000:]
+        assert wait_for_line(restorer, "EXIT", 120) == "EXIT 0", (share / "rank1.log").read_text()[-3000:]
         assert rank0.wait(timeout=120) == 0, rank0.output()[-3000:]
         for r in range(2):
             final = json.loads((ctl / f"rank{r}" / "final.json").read_text())
