@@ -30,7 +30,6 @@ __all__ = [
     "loaded",
     "minibatch_begin",
     "optimizer_marks",
-    "recoveries",
     "replay",
     "set_hang_handler",
     "stat",
@@ -47,7 +46,6 @@ const char *jitintercept_counter_name(int index);
 void jitintercept_minibatch_begin(void);
 void jitintercept_optimizer_begin(void);
 void jitintercept_optimizer_end(void);
-uint64_t jitintercept_recoveries(void);
 int jitintercept_dump_replay_log(const char *path);
 int jitintercept_replay(void);
 int64_t jitintercept_stat(const char *name);
@@ -126,12 +124,6 @@ def optimizer_marks() -> tuple[Callable[[], None], Callable[[], None]] | None:
     if lib is None:
         return None
     return lib.jitintercept_optimizer_begin, lib.jitintercept_optimizer_end
-
-
-def recoveries() -> int:
-    """In-place recoveries (JITCKPT_ON_HANG=recover) this process went through."""
-    lib = _shim()
-    return int(lib.jitintercept_recoveries()) if lib is not None else 0
 
 
 def counters() -> dict[str, int]:

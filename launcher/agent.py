@@ -554,6 +554,17 @@ class JitAgent(LocalElasticAgent):
 
     UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
 
+    def _possible_savers(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float,
+                         grace: float) -> list[int]:
+        """Live ranks that could still publish a checkpoint: not one without a
+        save_fn, one already done or saved, one that is stopped, or one that
+        has said nothing for ``grace`` since it was asked to save (a healthy
+        rank answers at once from its watcher thread; a rank hung holding the
+        GIL never does)."""
+        now = time.monotonic()
+        return [r for r in alive if r in self._shards and r not in f.done and r not in f.saved
+                and _proc_state(procs[r].pid) != "T" and (r in f.responded or now - since <= grace)]
+
     def _newer_may_come(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
         """Every shard has a replica, but could a live rank still publish a newer
         step? One that is saving (or will save at its next minibatch start) a
@@ -562,31 +573,13 @@ class JitAgent(LocalElasticAgent):
         peer completes that minibatch and moves on; restoring the first replica
         would redo two minibatches."""
         newest = max(int(m["step"]) for m in f.saved.values())
-        for r in alive:
-            if r not in self._shards or r in f.done or r in f.saved or _proc_state(procs[r].pid) == "T":
-                continue
-            if r in f.rank_step:
-                if f.rank_step[r] > newest:
-                    return True
-            elif r not in f.responded and time.monotonic() - since < self.UNHEARD_S:
-                return True
-        return False
+        return any(f.rank_step[r] > newest if r in f.rank_step else r not in f.responded
+                   for r in self._possible_savers(f, alive, procs, since, self.UNHEARD_S))
 
     def _may_still_save(self, f: _Failure, alive: list[int], procs: dict[int, _Proc], since: float) -> bool:
-        """Could a live rank still publish a checkpoint? Not one without a
-        save_fn, one that is stopped, or one that has said nothing since it was
-        asked to save (a healthy rank answers at once from its watcher thread;
-        a rank hung holding the GIL never does)."""
+        """Could a live rank still publish a checkpoint (see _possible_savers)?"""
         grace = max(2.0, min(self._jit.timeout_s, 10.0))
-        for r in alive:
-            if r not in self._shards or r in f.done or r in f.saved:
-                continue
-            if _proc_state(procs[r].pid) == "T":
-                continue
-            if r not in f.responded and time.monotonic() - since > grace:
-                continue
-            return True
-        return False
+        return bool(self._possible_savers(f, alive, procs, since, grace))
 
     def _choose_restore(self, f: _Failure, wg: WorkerGroup) -> bool:
         """Set the restore step; True when there is nothing to restart (every

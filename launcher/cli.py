@@ -122,16 +122,12 @@ def _check_ec(args) -> str | None:
     except ValueError as e:
         return f"--jit-ec-code: {e}"
     max_mem = getattr(args, "jit_ec_max_mem", None)
-    if max_mem is not None:
+    if max_mem is not None or every:
         try:
-            ec_snapshot.resolve_max_mem(max_mem)  # parses, <= MemAvailable and the size of /dev/shm
+            # (bytes, how it was set) for run(): parses, <= MemAvailable and the size of /dev/shm
+            args.ec_cap = ec_snapshot.resolve_max_mem(max_mem)
         except ValueError as e:
-            return f"--jit-ec-max-mem {e}"
-    elif every:
-        try:
-            ec_snapshot.resolve_max_mem(None)
-        except ValueError as e:
-            return f"--jit-ec-every {every}: {e}"
+            return f"--jit-ec-max-mem {e}" if max_mem is not None else f"--jit-ec-every {every}: {e}"
     if code is None or not every:
         return None
     from torch.distributed.run import parse_min_max_nnodes
@@ -317,11 +313,7 @@ def run(args) -> int:
     if getattr(args, "jit_ec_every", 0):
         from jitckpt import ec_snapshot
 
-        try:
-            cap, how = ec_snapshot.resolve_max_mem(getattr(args, "jit_ec_max_mem", None))  # as in check_args
-        except ValueError as e:  # MemAvailable dropped since check_args
-            print(f"jitrun: error: --jit-ec-max-mem {e}", file=sys.stderr)
-            return 2
+        cap, how = args.ec_cap  # resolved by check_args
         os.environ.update({ec_snapshot.ENV_MAX_MEM: str(cap), ec_snapshot.ENV_MAX_MEM_HOW: how})
     for k in ("JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"):
         os.environ.pop(k, None)

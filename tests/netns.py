@@ -247,3 +247,40 @@ def wait_for_line(proc: Proc, word: str, timeout: float) -> str:
         assert proc.popen.poll() is None, f"{proc.name} exited:\n{proc.output()[-3000:]}"
         assert time.monotonic() < deadline, f"no {word} within {timeout}s:\n{proc.output()[-3000:]}"
         time.sleep(0.05)
+
+
+class MigratableProcs:
+    """Processes a CRIU test started on this host, each PID 1 of its own PID
+    namespace (jitrun.criu.migratable_command), plus any it restored (append
+    to ``pids``); all killed and reaped by :meth:`cleanup`."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.popens: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], output: Path | None = None, env: dict | None = None
+              ) -> tuple[subprocess.Popen, int]:
+        """``output``: a file only the worker writes (a restore checks its size)."""
+        from jitrun import criu
+
+        p = subprocess.Popen(criu.migratable_command(cmd, output=output), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                             env=env)
+        self.popens.append(p)
+        pid = criu.ns_init_pid(p.pid)
+        self.pids.append(pid)
+        return p, pid
+
+    def cleanup(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        for p in self.popens:
+            p.kill()
+            p.wait(timeout=10)

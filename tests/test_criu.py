@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from jitrun import criu
-from netns import CRIU_RESTORE_ON_NODE, Cluster, copy_dir, wait_for_line
+from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150  # 20 ms each: the dump must land mid-run even on a loaded machine
@@ -113,39 +112,9 @@ def subreaper():
     libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-class Procs:
-    """PIDs this test started or restored; all killed and reaped at the end."""
-
-    def __init__(self) -> None:
-        self.pids: list[int] = []
-        self.popens: list[subprocess.Popen] = []
-
-    def start(self, cmd: list[str]) -> tuple[subprocess.Popen, int]:
-        p = subprocess.Popen(criu.migratable_command(cmd), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        self.popens.append(p)
-        inner = criu.ns_init_pid(p.pid)
-        self.pids.append(inner)
-        return p, inner
-
-    def cleanup(self) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        for p in self.popens:
-            p.kill()
-            p.wait(timeout=10)
-
-
 @pytest.fixture
 def procs():
-    ps = Procs()
+    ps = MigratableProcs()
     yield ps
     ps.cleanup()
 
@@ -171,7 +140,7 @@ def _wait_exit(pid: int, timeout: float) -> int:
     raise AssertionError(f"restored PID {pid} still running after {timeout}s")
 
 
-def _migrate_and_finish(procs: Procs, worker: str, tmp: Path, warm_lines: int, start_timeout: float
+def _migrate_and_finish(procs: MigratableProcs, worker: str, tmp: Path, warm_lines: int, start_timeout: float
                         ) -> tuple[list[str], criu.DumpResult, float]:
     script = tmp / "worker.py"
     script.write_text(worker)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from jitrun import criu
-from netns import CRIU_RESTORE_ON_NODE, Cluster, copy_dir, wait_for_line
+from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -144,36 +143,12 @@ def _losses(ctl: Path, rank: int) -> list[str]:
     return [" ".join(ln.split()[:2]) for ln in _steps(ctl, rank)]
 
 
-class Local:
-    """Workers on this host, each PID 1 of its own PID namespace; killed and reaped at the end."""
-
-    def __init__(self) -> None:
-        self.popens: list[subprocess.Popen] = []
-        self.pids: list[int] = []
+class Local(MigratableProcs):
+    """Python workers on this host (the repo on PYTHONPATH), output to their own files."""
 
     def start(self, args: list[str], log: Path, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-        # the worker's own output file: nothing but the worker may write to it
-        p = subprocess.Popen(criu.migratable_command([sys.executable, *args], output=log), stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        return super().start([sys.executable, *args], output=log,
                              env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-        self.popens.append(p)
-        pid = criu.ns_init_pid(p.pid)
-        self.pids.append(pid)
-        return p, pid
-
-    def cleanup(self) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        for p in self.popens:
-            p.kill()
-            p.wait(timeout=10)
 
 
 @pytest.fixture

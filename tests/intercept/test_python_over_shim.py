@@ -21,19 +21,11 @@ sys.path.insert(0, str(Path(__file__).parent / "shim_progs"))
 import shimtest as st  # noqa: E402
 
 pytest.importorskip("torch.distributed")
-JITRUN = Path(sys.executable).parent / "jitrun"
+# jitrun, the FINAL line and the module fixture that builds and skips where jitrun cannot preload the shim
+from test_jitrun_transparent import FINAL, JITRUN, _build  # noqa: E402, F401
+
 SCRIPT = Path(__file__).parent / "dp_torch.py"
-FINAL = re.compile(r"FINAL rank=(\d+) pid=(\d+) dev=(\w+) host=(\w+) recoveries=(\d+)")
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _build() -> None:
-    st.build()
-    if not JITRUN.exists():
-        pytest.skip("jitrun is not installed in this environment")
-    if st.ASAN:
-        pytest.skip("jitrun cannot preload the ASan shim (its recovery runs under ASan in test_shim_transparent.py)")
 
 
 def run(tmp: Path, restarts: int = 0, **env: str):
