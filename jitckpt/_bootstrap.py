@@ -48,6 +48,9 @@ def _keep_groups() -> None:
         return orig(group)
 
     destroy_process_group.__jitckpt_wrapped__ = orig
+    # the list itself, for migrate_worker.teardown: this module usually runs as __main__
+    # (python -m jitckpt._bootstrap), so "jitckpt._bootstrap._kept" would be another copy
+    destroy_process_group.__jitckpt_kept__ = _kept
     destroy_process_group.__doc__ = orig.__doc__
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group

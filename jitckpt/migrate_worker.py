@@ -41,6 +41,7 @@ import gc
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -93,9 +94,9 @@ def teardown(extra_stores: list | None = None) -> dict:
     # destructor deadlock with in-flight work items); at a step boundary every work
     # item has finished, so they are let go, including groups the script destroyed
     # earlier.
-    from . import _bootstrap
+    import torch.distributed.distributed_c10d as c10d
 
-    _bootstrap._kept.clear()
+    getattr(c10d.destroy_process_group, "__jitckpt_kept__", []).clear()
     if extra_stores is not None:
         extra_stores.clear()
     gc.collect()
@@ -110,26 +111,49 @@ _ddp_detached: list = []  # weak references to DDP modules whose reducer teardow
 
 def _detach_ddp() -> None:
     """A DDP module's reducer (and its logger) hold the process group: drop them so the
-    group really goes; :func:`_attach_ddp` builds them again on the new default group
+    group really goes (and group objects baked into functions' default arguments);
+    :func:`_attach_ddp` builds them again on the new default group
     (what DDP's own ``__setstate__`` does). A one-off scan of the heap (~0.1-0.3 s with
     torch imported) finds the modules; it runs only when a migration pauses."""
+    import types
+    import warnings
     import weakref
 
     try:
+        from torch.distributed import ProcessGroup
         from torch.nn.parallel import DistributedDataParallel as DDP
     except ImportError:  # pragma: no cover
         return
-    for o in gc.get_objects():
-        try:
-            if not isinstance(o, DDP) or getattr(o, "reducer", None) is None:
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated reduce_op proxy warns
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, types.FunctionType):
+                    _drop_group_defaults(o, ProcessGroup)
+                    continue
+                if not isinstance(o, DDP) or getattr(o, "reducer", None) is None:
+                    continue
+            except ReferenceError:
                 continue
-        except ReferenceError:
-            continue
-        o.reducer = None
-        o.logger = None
-        o.process_group = None
-        o._comm_hooks = []
-        _ddp_detached.append(weakref.ref(o))
+            o.reducer = None
+            o.logger = None
+            o.process_group = None
+            o._comm_hooks = []
+            _ddp_detached.append(weakref.ref(o))
+
+
+def _drop_group_defaults(fn, group_type: type) -> None:
+    """A default argument evaluated while a group existed keeps it alive for good:
+    ``torch.distributed.nn.functional`` has ``group=group.WORLD`` on every function, so
+    importing it after ``init_process_group`` (measured: it is, in a plain torchrun
+    worker) pins the default group, its gloo sockets and its store client. None means
+    "the default group" to every collective, so it is what they get instead."""
+    d = fn.__defaults__
+    if d and any(isinstance(v, group_type) for v in d):
+        fn.__defaults__ = tuple(None if isinstance(v, group_type) else v for v in d)
+    kw = fn.__kwdefaults__
+    if kw and any(isinstance(v, group_type) for v in kw.values()):
+        fn.__kwdefaults__ = {k: None if isinstance(v, group_type) else v for k, v in kw.items()}
 
 
 def _attach_ddp() -> int:
@@ -193,15 +217,35 @@ def rebuild(resume: dict, rank: int, world_size: int, timeout_s: float = 60.0):
     return store
 
 
+def _pdeathsig(sig: int | None) -> int:
+    """Set this process's parent-death signal (None: 0, off); return the previous one."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    old = ctypes.c_int(0)
+    libc.prctl(2, ctypes.byref(old), 0, 0, 0)  # PR_GET_PDEATHSIG
+    libc.prctl(1, sig or 0, 0, 0, 0)  # PR_SET_PDEATHSIG
+    return old.value
+
+
 def pause(ctl_dir: str | os.PathLike, gen: int, rank: int, world_size: int, *, step: int,
-          extra_stores: list | None = None, timeout: float | None = None):
+          extra_stores: list | None = None, timeout: float | None = None,
+          stop: Callable[[], str | None] | None = None):
     """teardown, announce ``paused-<gen>.json`` (with the inventory), wait for
-    ``resume-<gen>.json``, rebuild. Returns (resume dict, new store client)."""
+    ``resume-<gen>.json`` (MigrationFailed when it says ``failed``, ``stop()`` gives a
+    reason or ``timeout`` passes), rebuild. Returns (resume dict, new store client)."""
     t0 = time.monotonic()
     inv = teardown(extra_stores)
+    # jitrun's wrapper made the worker die with it (PR_SET_PDEATHSIG); CRIU restores that,
+    # and the restored task's parent is criu itself until it exits: the signal would kill
+    # it right after a restore. Off across the dump, on again under its new parent.
+    pdeath = _pdeathsig(None)
     write_json(Path(ctl_dir) / PAUSED.format(gen=gen), {"pid": os.getpid(), "rank": rank, "step": step,
                                                         "teardown_s": round(time.monotonic() - t0, 4), **inv})
-    resume = wait_resume(ctl_dir, gen, timeout=timeout)
+    try:
+        resume = _wait_resume_file(Path(ctl_dir), gen, timeout, stop)
+    finally:
+        _pdeathsig(pdeath)
     t0 = time.monotonic()
     store = rebuild(resume, rank, world_size)
     write_json(Path(ctl_dir) / f"rebuilt-{gen}.json", {"rebuild_s": round(time.monotonic() - t0, 4)})
@@ -236,34 +280,80 @@ class Watch:
         return n, json.loads(self.store.get(_key(self.token, n, "req")))
 
 
+class MigrationFailed(RuntimeError):
+    """The migration this rank paused for will not happen (its agent said why, or the
+    rank was asked to stop meanwhile): the caller takes the JIT save and exits, so the
+    job restarts from this minibatch start with nothing lost."""
+
+
+def moving_ranks(req: dict) -> list[int]:
+    """The ranks a request moves: ``{"ranks": [...]}`` (a whole node), or ``{"rank": R}``."""
+    return [int(r) for r in req.get("ranks", [req.get("rank")]) if r is not None]
+
+
+def _wait_store_resume(store, token: str, gen: int, timeout: float | None,
+                       stop: Callable[[], str | None] | None) -> dict:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ok, failed = _key(token, gen, "resume"), _key(token, gen, "failed")
+    while True:
+        if store.check([failed]):
+            raise MigrationFailed(f"migration {gen} failed: {store.get(failed).decode(errors='replace')}")
+        if store.check([ok]):
+            return json.loads(store.get(ok))
+        why = stop() if stop is not None else None
+        if why:
+            raise MigrationFailed(f"migration {gen} abandoned: {why}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise MigrationFailed(f"migration {gen}: no resume within {timeout:g}s")
+        time.sleep(0.02)
+
+
 def at_minibatch_start(watch: Watch, rank: int, world_size: int, ctl_root: str | os.PathLike, *, step: int,
-                       stores: list, timeout: float | None = 300.0):
+                       stores: list, timeout: float | None = 300.0,
+                       before_close: Callable[[int, dict], None] | None = None,
+                       stop: Callable[[], str | None] | None = None):
     """Called at a minibatch start. Without a request: None. With one: every rank tears
-    its group down and announces it; the moving rank also closes every store
-    client in ``stores`` (the watch's included), announces ``paused-<g>.json`` in
+    its group down and announces it. A moving rank first calls ``before_close(gen,
+    req)`` (its last word on the store, e.g. a report to its agent), then closes every
+    store client in ``stores`` (the watch's included), announces ``paused-<g>.json`` in
     its control dir, waits there for ``resume-<g>.json`` (it is dumped and restored
-    meanwhile) and reconnects; a peer keeps its store client and waits for the
-    ``resume`` key. Returns (gen, request, new store client or None, new Watch)."""
+    meanwhile; a resume file with ``failed`` raises MigrationFailed) and reconnects; a
+    peer keeps its store client and waits for the ``resume`` key (or ``failed``:
+    MigrationFailed). ``stop()``: a reason to give up waiting (e.g. a SIGTERM), or
+    None. Returns (gen, request, new store client or None, new Watch)."""
     got = watch.poll()
     if got is None:
         return None
     gen, req = got
     token = watch.token
-    if req["rank"] == rank:
+    if rank in moving_ranks(req):
+        if before_close is not None:
+            before_close(gen, req)
         watch.store.set(_key(token, gen, "paused", rank), str(step))
         watch.store = None  # the caller's Watch must not keep the connection open across the dump
         ctl = Path(ctl_root) / f"rank{rank}"
         ctl.mkdir(parents=True, exist_ok=True)
-        res, store = pause(ctl, gen, rank, world_size, step=step, extra_stores=stores, timeout=timeout)
+        _, store = pause(ctl, gen, rank, world_size, step=step, extra_stores=stores, timeout=timeout, stop=stop)
         return gen, req, store, Watch(store, token)
     inv = teardown()
     watch.store.set(_key(token, gen, "paused", rank), json.dumps({"step": step, **inv}))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    k = _key(token, gen, "resume")
-    while not watch.store.check([k]):
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"migration {gen}: no resume within {timeout:g}s")
-        time.sleep(0.02)
-    res = json.loads(watch.store.get(k))
-    rebuild({**res, "store": res["store"]}, rank, world_size)
+    res = _wait_store_resume(watch.store, token, gen, timeout, stop)
+    rebuild(res, rank, world_size)
     return gen, req, None, watch
+
+
+def _wait_resume_file(ctl: Path, gen: int, timeout: float | None, stop: Callable[[], str | None] | None) -> dict:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        try:
+            res = wait_resume(ctl, gen, timeout=0.5)
+        except TimeoutError:
+            why = stop() if stop is not None else None
+            if why:
+                raise MigrationFailed(f"migration {gen} abandoned: {why}") from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise MigrationFailed(f"migration {gen}: no resume within {timeout:g}s") from None
+            continue
+        if res.get("failed"):
+            raise MigrationFailed(f"migration {gen} failed: {res['failed']}")
+        return res

@@ -45,6 +45,7 @@ import time
 import traceback
 from collections.abc import Callable
 from enum import Enum
+from pathlib import Path
 
 from . import config as _config
 from . import faults as _faults
@@ -129,6 +130,8 @@ class Runtime:
         self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
                                          announce=self._announce_fault)
+        # --jit-migratable on: the migration request watch (one store add per minibatch start)
+        self._migration = None
 
     # -- reporting --------------------------------------------------------
 
@@ -140,6 +143,10 @@ class Runtime:
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
                     proc_start_t=_process_start_time())
+        if os.environ.get("JITCKPT_MIGRATABLE") == "1":
+            from .migrate_worker import Watch
+
+            self._migration = Watch(self.reporter._store, self.cfg.token)
 
     def report(self, event: str, **fields) -> None:
         if self.reporter is None:
@@ -191,10 +198,54 @@ class Runtime:
         data position) and EC snapshots (after a step only). ``collective``:
         reached at an explicit collective, which may not start a minibatch
         (a barrier after the loop); only reached from POST there."""
+        if self._migration is not None:
+            self._migration_point()
         if self.on_minibatch_start is not None:
             self.on_minibatch_start()
         if self.on_snapshot is not None and self.phase is Phase.POST:
             self.on_snapshot(collective)
+
+    def _migration_point(self) -> None:
+        """jitrun migrate (launcher/migrate.py): at a minibatch start nothing is in flight,
+        so the process groups can go, the moving ranks be dumped and restored elsewhere
+        and every rank rebuild. A migration that fails turns into a JIT save here (the
+        caller's deferred-save check runs next), so the restart loses nothing."""
+        from . import migrate_worker as mw
+        from .report import Reporter
+
+        def before_close(gen: int, req: dict) -> None:
+            self.report("migrating", gen=gen, step=self.steps_done, to=req.get("to"), pid=os.getpid(),
+                        ctl=str(self._migration_ctl()))
+            stores.append(self.reporter._store)
+            self.reporter = None  # its connection must not survive into the dump
+
+        stores: list = []
+        try:
+            got = mw.at_minibatch_start(self._migration, self.cfg.rank, self.cfg.world_size, self._migration_ctl(),
+                                        step=self.steps_done, stores=stores, before_close=before_close,
+                                        stop=lambda: self.deferred)
+        except mw.MigrationFailed as e:
+            if self.reporter is None:
+                from .report import connect
+
+                self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
+            with self._lock:
+                if self.deferred is None:
+                    self.deferred = f"migration failed: {e}"
+            self.report("failure_detected", reason="migration_failed", phase=self.phase.value,
+                        step=self.steps_done, error=str(e), minibatch_s=self.minibatch_s())
+            return
+        if got is None:
+            return
+        gen, req, store, watch = got
+        self._migration = watch
+        if store is not None:  # this rank moved: its new store client
+            self.reporter = Reporter(store, self.cfg.token, self.cfg.rank)
+        self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
+                    pid=os.getpid(), node=os.environ.get("JITCKPT_NODE"))
+
+    def _migration_ctl(self) -> Path:
+        return Path(self.cfg.root or ".") / "migrate" / "ctl"
 
     def on_forward(self) -> None:
         if self.phase is Phase.INIT:

@@ -24,6 +24,7 @@ between them, so no locks.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -42,7 +43,7 @@ from jitckpt import layout
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
-from . import decide, migrate, rdzv, scheduler, transfer, warm
+from . import decide, migrate, migrate_agent, rdzv, scheduler, transfer, warm
 from .events import EventLog
 from .wakeup import Wakeup
 
@@ -60,9 +61,19 @@ class JitOptions:
 
 @dataclass
 class _Proc:
-    pid: int
+    pid: int  # 0: runs on another node (migrated), reached through send
     poll: Callable[[], int | None]
     wait: Callable[[], object]
+    send: Callable[[int], None] | None = None
+
+    def signal(self, sig: int) -> None:
+        if self.send is not None:
+            self.send(sig)
+            return
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _host_name() -> str:
@@ -161,6 +172,16 @@ class JitAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
+        # issue 13: ranks moved to another node by `jitrun migrate` (launcher/migrate_agent.py)
+        self._moved: dict[int, migrate_agent.Remote] = {}
+        self._migrating: dict[int, list[dict]] = {}  # gen -> this node's ranks' "migrating" reports
+        self._mig_pids: dict[int, int] = {}  # rank -> host PID of its namespace init (what CRIU dumps)
+        self._mig_out: dict[int, str] = {}  # rank -> its output file (held open, on this node's disk)
+        self._target: migrate_agent.Target | None = None
+        coord = rdzv.coordination_store(handler)
+        if migrate.enabled() and coord is not None:
+            # also on a spare: a node waiting to join can take migrated workers
+            self._target = migrate_agent.Target(coord, jit.token, self._node.addr, jit.root, events).start()
 
     # -- store ----------------------------------------------------------------
 
@@ -207,6 +228,8 @@ class JitAgent(LocalElasticAgent):
                 self._query[rank] = m["query_t"]
         if ev == "started":
             self._boot[rank] = m.get("proc_start_t") or m["t"]
+        if ev == "migrating" and rank in self._local_ranks and self._of_this_round(m):
+            self._migrating.setdefault(int(m["gen"]), []).append(m)
         # every node reads every rank's reports (the job's decisions need
         # them) but writes only its own ranks' to its timeline
         local = rank is None or rank in self._local_ranks
@@ -280,7 +303,12 @@ class JitAgent(LocalElasticAgent):
         self._prepare_restore()
         pids = super()._start_workers(worker_group)
         if migrate.enabled():  # issue 13: where each migratable rank runs
-            migrate.record_workers(self, worker_group)
+            ranks = migrate.record_workers(self, worker_group)
+            self._mig_pids = {int(r): w["pid"] for r, w in ranks.items() if w["pid"]}
+            self._mig_out = {int(r): w["output"] for r, w in ranks.items()}
+            self._moved.clear()
+            migrate.publish(self._reader_store(worker_group), self._jit.token, self._jit.root, ranks,
+                            (worker_group.master_addr, worker_group.master_port))
         return pids
 
     def _prepare_restore(self) -> None:
@@ -322,6 +350,8 @@ class JitAgent(LocalElasticAgent):
     def close(self) -> bool:
         """End the replica server thread before the interpreter exits; False
         if it would not stop (the caller then leaves with os._exit)."""
+        if self._target is not None:
+            self._target.stop()
         woke = self._wakeup.close()
         if self._server is None or self._coord is None:
             return woke
@@ -341,10 +371,14 @@ class JitAgent(LocalElasticAgent):
         pc = self._pcontext
         assert pc is not None
         if hasattr(pc, "subprocess_handlers"):
-            return {wg.workers[lr].global_rank: _Proc(h.proc.pid, h.proc.poll, h.proc.wait)
-                    for lr, h in pc.subprocess_handlers.items()}
-        return {wg.workers[lr].global_rank: _Proc(p.pid, _mp_poll(p), p.join)
-                for lr, p in enumerate(pc._pc.processes)}  # type: ignore[attr-defined]
+            procs = {wg.workers[lr].global_rank: _Proc(h.proc.pid, h.proc.poll, h.proc.wait)
+                     for lr, h in pc.subprocess_handlers.items()}
+        else:
+            procs = {wg.workers[lr].global_rank: _Proc(p.pid, _mp_poll(p), p.join)
+                     for lr, p in enumerate(pc._pc.processes)}  # type: ignore[attr-defined]
+        for r, remote in self._moved.items():  # its wrapper here ended with the dump
+            procs[r] = _Proc(0, remote.poll, remote.wait, remote.send)
+        return procs
 
     def _mp_progress(self, wg: WorkerGroup) -> RunResult:
         """Success path for forked workers, without MultiprocessContext._poll:
@@ -373,6 +407,54 @@ class JitAgent(LocalElasticAgent):
         pc.close()  # type: ignore[union-attr]
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
+    # -- migration (issue 13) -----------------------------------------------------
+
+    def _reader_store(self, wg: WorkerGroup):
+        """The workers' store, on the report reader's connection (main thread only)."""
+        if self._reader is None:
+            self._poll(wg, absorb=False)
+        return self._reader._store  # type: ignore[union-attr]
+
+    def _migrate_out(self, wg: WorkerGroup) -> None:
+        """This node's ranks of each requested migration are paused: move them (one at a
+        time; the peers wait at their minibatch start meanwhile)."""
+        store = self._reader_store(wg)
+        coord = self._coord.store if self._coord is not None else None
+        for gen, msgs in sorted(self._migrating.items()):
+            req = json.loads(store.get(migrate.key(self._jit.token, gen, "req")))
+            moving = migrate.moving_ranks(req)
+            mine = [int(m["rank"]) for m in msgs]
+            resume = None
+            for m in msgs:
+                rank = int(m["rank"])
+                try:
+                    if coord is None:
+                        raise migrate_agent.MigrationError("setup", "no coordination store (static rendezvous)")
+                    done = migrate_agent.migrate_out(
+                        coord_store=coord, worker_store=store, token=self._jit.token, root=self._jit.root,
+                        gen=gen, req=req, rank=rank, pid=self._mig_pids.get(rank, 0), ctl=Path(m["ctl"]),
+                        output=self._mig_out.get(rank),
+                        store_addr=(wg.master_addr, wg.master_port), attempt=self._round, events=self._events)
+                except migrate_agent.MigrationError as e:
+                    print(f"jitrun: migration {gen} of rank {rank} to {req.get('to')} failed at {e.stage}: "
+                          f"{e.why}; the job falls back to a JIT checkpoint and a restart", file=sys.stderr,
+                          flush=True)
+                    for other in msgs:  # this node's other moving ranks wait for a word too
+                        if int(other["rank"]) not in self._moved and other is not m:
+                            migrate_agent.fail(store, self._jit.token, gen, int(other["rank"]),
+                                                Path(other["ctl"]), f"rank {rank}'s migration failed: {e.why}")
+                    break
+                self._moved[rank] = migrate_agent.Remote(coord, self._jit.token, done["id"], done["to"])
+                resume = {"prefix": migrate_agent.prefix(self._jit.token, self._round, gen),
+                          "store": [wg.master_addr, wg.master_port]}
+                print(f"jitrun: rank {rank} migrated to {done['to']} (dump {done['dump_s']}s, transfer "
+                      f"{done['transfer_s']}s, restore {done['restore_s']}s, {done['image_bytes'] >> 20} MiB)",
+                      flush=True)
+            else:
+                if resume is not None:
+                    migrate_agent.release_peers(store, self._jit.token, gen, len(moving), len(mine), resume)
+        self._migrating.clear()
+
     def _set_local_rank_env(self, worker_env: dict, local_rank: int, spec) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
         # Forked (warm) workers carry the environment of the fork server's
@@ -393,7 +475,7 @@ class JitAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         procs = self._procs(worker_group)
-        self._wakeup.wait([p.pid for p in procs.values() if p.poll() is None], self._monitor_s)
+        self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         msgs = self._poll(worker_group, absorb=False)
         self._track_life(procs)
         codes = {r: p.poll() for r, p in procs.items()}
@@ -420,7 +502,13 @@ class JitAgent(LocalElasticAgent):
             self._failure.fault_t, self._fault_t = self._fault_t, None
         for m in msgs:
             self._absorb(m)
+        if self._migrating and not failed and not reported:
+            self._migrate_out(worker_group)
+            return RunResult(state=WorkerState.HEALTHY)
         if not failed and not reported:
+            if self._moved and all(c == 0 for c in codes.values()):
+                self._poll(worker_group, drain=True)
+                return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in codes})
             if hasattr(self._pcontext, "_ret_vals"):
                 res = self._mp_progress(worker_group)
             elif all(c == 0 for c in codes.values()):
@@ -463,10 +551,7 @@ class JitAgent(LocalElasticAgent):
             for r in alive:
                 if r not in termed:
                     termed.add(r)
-                    try:
-                        os.kill(handlers[r].pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
+                    handlers[r].signal(signal.SIGTERM)
             if not alive:
                 break
             shards_needed = set(self._shards.values()) or {"0"}
@@ -485,7 +570,7 @@ class JitAgent(LocalElasticAgent):
                 break  # no complete checkpoint will come; fall back to an older one
             if time.monotonic() > deadline:
                 break
-            self._wakeup.wait([handlers[r].pid for r in alive], 0.1)
+            self._wakeup.wait([handlers[r].pid for r in alive if handlers[r].pid], 0.1)
             self._poll(wg)
         # savers that published are exiting on their own; the rest (stopped,
         # hung, still saving an unneeded replica) are killed now
@@ -494,14 +579,14 @@ class JitAgent(LocalElasticAgent):
             savers = [handlers[r].pid for r in f.saved if r in handlers and handlers[r].poll() is None]
             if not savers:
                 break
-            self._wakeup.wait(savers, exit_by - time.monotonic())
+            if any(savers):
+                self._wakeup.wait([p for p in savers if p], exit_by - time.monotonic())
+            else:  # only migrated ranks: their exits come through the store
+                time.sleep(0.05)
         for r, h in handlers.items():
             if h.poll() is None:
                 f.killed.append(r)
-                try:
-                    os.kill(h.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                h.signal(signal.SIGKILL)
         if f.killed:
             self._events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
         for h in handlers.values():

@@ -41,7 +41,9 @@ commands:
   jitrun events   merge the event logs of several nodes (jitrun events --help)
   jitrun doctor   whether CRIU, network namespaces, the shim and ISA-L work here
   jitrun clean    free a job's EC snapshot chunks in /dev/shm and its jit dir's stale
-                  temp files (jitrun clean --help)"""
+                  temp files (jitrun clean --help)
+  jitrun migrate  move live workers of a --jit-migratable job to another node (CRIU)
+                  at their next minibatch start (jitrun migrate --help)"""
 
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
@@ -62,7 +64,8 @@ def _parser():
                "       jitrun plan [options]     (jitrun plan --help)\n"
                "       jitrun events [options]   (jitrun events --help)\n"
                "       jitrun doctor             (jitrun doctor --help)\n"
-               "       jitrun clean --jit-dir DIR (jitrun clean --help)")
+               "       jitrun clean --jit-dir DIR (jitrun clean --help)\n"
+               "       jitrun migrate --jit-dir DIR --rank R --to ADDR (jitrun migrate --help)")
     p.description = _DESCRIPTION
     p.epilog = _EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -261,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import ec_clean
 
         return ec_clean.main(argv[1:])
+    if argv[:1] == ["migrate"]:
+        from . import migrate
+
+        return migrate.main(argv[1:])
     args = _parser().parse_args(argv)
     args.argv = list(argv)  # a replacement agent is started with the same command
     return run(args)

@@ -390,6 +390,13 @@ def _exec_main(argv: list[str]) -> int:
     for s in sigs:
         signal.signal(s, lambda signum, frame: os.kill(pid, signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    return _wait_as(pid)
+
+
+def _wait_as(pid: int) -> int:
+    """Wait for child ``pid`` and end the way it ended (its signal re-raised)."""
+    import signal
+
     while True:
         try:
             _, status = os.waitpid(pid, 0)
@@ -401,11 +408,54 @@ def _exec_main(argv: list[str]) -> int:
             return 0
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        if sig != signal.SIGKILL:  # (its handler cannot be set, nor does it need to be)
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
         return 128 + sig
     return os.WEXITSTATUS(status)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def restore_and_wait_command(images_dir: str | os.PathLike) -> list[str]:
+    """How an agent restores a migrated worker: ``python -m jitrun.criu restore IMAGES``
+    restores it as this helper's child (the helper is a child subreaper), prints
+    ``RESTORED <pid> <seconds>`` (or ``FAILED <why>`` and exits 3), forwards the
+    agent's stop signals to it and exits as it did, like the ``exec`` wrapper does for
+    a worker started in place. The agent keeps no subreaper role itself: it would
+    adopt every orphan of the node and could reap none of them without stealing
+    torchrun's exit statuses."""
+    import sys
+
+    return [sys.executable, "-m", "jitrun.criu", "restore", str(images_dir)]
+
+
+def _restore_main(argv: list[str]) -> int:
+    import ctypes
+    import signal
+    import sys
+
+    (images,) = argv
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # the agent died: stop the worker too
+    sigs = [getattr(signal, s) for s in _FORWARD]
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    t0 = time.monotonic()
+    try:
+        pid = restore(images)
+    except CriuError as e:
+        print("FAILED " + " ".join(str(e).split()), flush=True)
+        return 3
+    print(f"RESTORED {pid} {time.monotonic() - t0:.4f}", flush=True)
+    sys.stdout.close()
+    os.close(1)
+    for s in sigs:
+        signal.signal(s, lambda signum, frame: os.kill(pid, signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+    return _wait_as(pid)
 
 
 if __name__ == "__main__":
@@ -413,4 +463,6 @@ if __name__ == "__main__":
 
     if len(sys.argv) > 1 and sys.argv[1] == "exec":
         raise SystemExit(_exec_main(sys.argv[2:]))
-    raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD...")
+    if len(sys.argv) == 3 and sys.argv[1] == "restore":
+        raise SystemExit(_restore_main(sys.argv[2:]))
+    raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD... | restore IMAGES_DIR")

@@ -12,7 +12,7 @@ from torch.distributed.elastic import events as te_events
 from torch.distributed.elastic import metrics, rendezvous
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
@@ -74,6 +74,13 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
               f"({join:.0f}s): a lost node was not replaced. Start a replacement with the same command, or raise "
               "the wait with --rdzv-conf join_timeout=SECONDS", file=sys.stderr)
         code = 1
+    except RendezvousClosedError:
+        # this node waited to join (a spare, or left out of a restart's round when a spare
+        # took its place) and the job ended without it: the job's outcome is its outcome
+        ok = rdzv.job_succeeded(handler, token)
+        print("jitrun: the job " + ("finished" if ok else "ended without success") + " while this node waited to "
+              "join its next round (a spare); nothing of it runs here", file=sys.stderr)
+        code = 0 if ok else 1
     except Exception as e:
         if type(e).__name__ == "SignalException":
             shutdown_rdzv = False
@@ -81,6 +88,8 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         code = 1
     finally:
         stopped = agent.close()
+        if code == 0:
+            rdzv.mark_succeeded(handler, token)  # before the close: what a waiting spare reads
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         else:

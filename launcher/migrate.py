@@ -75,7 +75,9 @@ def record_workers(agent, worker_group) -> dict:
 # -- the request protocol through the job's store (jitrun migrate) -----------------------
 #
 # <ns>/migrate/gen             add() counter: the newest migration's number g
-# <ns>/migrate/<g>/req         {"rank": R, "to": NODE, "t": ...} (set after gen is taken)
+# <ns>/migrate/<g>/req         {"ranks": [R, ...], "to": NODE, "t": ...} (set after gen is taken)
+# <ns>/migrate/where/<r>       the address of the node rank r runs on (its agent sets it)
+# <ns>/migrate/<g>/moved       add() counter: moving ranks restored on the target
 # <ns>/migrate/<g>/paused/<r>  every rank, once its group is torn down at a minibatch start
 # <ns>/migrate/<g>/resume      {"prefix": "...", "store": [host, port]}: peers rebuild; the moved
 #                              rank gets the same in <jit dir>/migrate/ctl/rank<R>/resume-<g>.json
@@ -87,11 +89,12 @@ def key(token: str, *parts: object) -> str:
     return "/".join([f"jitckpt/{token}/migrate", *map(str, parts)])
 
 
-def request(store, token: str, rank: int, to: str) -> int:
-    """Ask every rank to pause at its next minibatch start so ``rank`` can move to node
-    ``to``; returns the migration's number."""
+def request(store, token: str, rank: int | list[int], to: str) -> int:
+    """Ask every rank to pause at its next minibatch start so ``rank`` (or each of a
+    list) can move to node ``to``; returns the migration's number."""
+    ranks = [rank] if isinstance(rank, int) else sorted(rank)
     gen = store.add(key(token, "gen"), 1)
-    store.set(key(token, gen, "req"), json.dumps({"rank": rank, "to": to, "t": time.time()}))
+    store.set(key(token, gen, "req"), json.dumps({"ranks": ranks, "to": to, "t": time.time()}))
     return gen
 
 
@@ -103,3 +106,101 @@ def resume(store, token: str, gen: int, prefix: str, store_addr: tuple[str, int]
 
 def paused_ranks(store, token: str, gen: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if store.check([key(token, gen, "paused", r)])]
+
+
+def moving_ranks(req: dict) -> list[int]:
+    from jitckpt.migrate_worker import moving_ranks as of
+
+    return of(req)
+
+
+CONTROL = "control.json"
+
+
+def publish(store, token: str, root: Path, ranks: dict, store_addr: tuple[str, int]) -> None:
+    """After this node's workers started: where its ranks run (in the store, for
+    ``jitrun migrate --node``) and how ``jitrun migrate`` on this node reaches the job
+    (``<jit dir>/migrate/control.json``, 0600: it holds the job's token)."""
+    for r, w in ranks.items():
+        store.set(key(token, "where", r), w["addr"])
+    path = root / "migrate" / CONTROL
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{CONTROL}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"store": list(store_addr), "token": token, "t": time.time()}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"jitrun: could not write {path} ({e}); `jitrun migrate` on this node will not reach the job",
+              file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """``jitrun migrate``: ask a running job to move ranks to another node, and wait."""
+    import argparse
+    from datetime import timedelta
+
+    ap = argparse.ArgumentParser(prog="jitrun migrate", description=(
+        "Move live workers of a running `jitrun --jit-migratable on` job to another node at their next "
+        "minibatch start (CRIU). Run it on any node of the job. The target node must run a jitrun agent of "
+        "the job (a member or a spare waiting to join). If the migration fails the job takes a JIT "
+        "checkpoint and restarts, losing nothing."))
+    ap.add_argument("--jit-dir", required=True, help="the job's --jit-dir on this node")
+    who = ap.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int, action="append", help="global rank to move (repeatable)")
+    who.add_argument("--node", help="move every rank of the node with this address")
+    ap.add_argument("--to", required=True, help="address (--local-addr) of the node that takes them")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the outcome")
+    args = ap.parse_args(argv)
+    ctl = Path(args.jit_dir) / "migrate" / CONTROL
+    try:
+        c = json.loads(ctl.read_text())
+    except FileNotFoundError:
+        print(f"jitrun migrate: error: {ctl} not found: no job started with --jit-migratable on uses this "
+              "--jit-dir on this node", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"jitrun migrate: error: {ctl}: {e}", file=sys.stderr)
+        return 2
+    import socket
+
+    import torch.distributed as dist
+
+    try:  # a quiet look first: TCPStore's own connect failure prints a C++ backtrace
+        socket.create_connection((c["store"][0], int(c["store"][1])), timeout=5).close()
+        store = dist.TCPStore(c["store"][0], int(c["store"][1]), is_master=False,
+                              timeout=timedelta(seconds=10), wait_for_workers=False)
+    except Exception as e:
+        print(f"jitrun migrate: error: the job's store {c['store'][0]}:{c['store'][1]} is unreachable ({e}); "
+              "is the job still running?", file=sys.stderr)
+        return 2
+    token = c["token"]
+    if args.node:
+        ranks, r = [], 0
+        while store.check([key(token, "where", r)]):  # ranks are 0..world-1
+            if store.get(key(token, "where", r)).decode() == args.node:
+                ranks.append(r)
+            r += 1
+        if not ranks:
+            print(f"jitrun migrate: error: no rank of this job runs on node {args.node}", file=sys.stderr)
+            return 2
+    else:
+        ranks = sorted(set(args.rank))
+    gen = request(store, token, ranks, args.to)
+    print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for their next minibatch start",
+          flush=True)
+    ok, failed = key(token, gen, "resume"), key(token, gen, "failed")
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if store.check([failed]):
+            print(f"jitrun migrate: migration {gen} FAILED: {store.get(failed).decode(errors='replace')}; the job "
+                  "takes a JIT checkpoint and restarts", file=sys.stderr)
+            return 1
+        if store.check([ok]):
+            print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {args.to}")
+            return 0
+        time.sleep(0.1)
+    print(f"jitrun migrate: no outcome of migration {gen} within {args.timeout:g}s (see the job's events.jsonl)",
+          file=sys.stderr)
+    return 1

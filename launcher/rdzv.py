@@ -51,6 +51,28 @@ def coordination_store(handler):
     return getattr(handler, "_store", None) if _dynamic(handler) else None
 
 
+def _ok_key(token: str) -> str:
+    return f"jitckpt/{token}/job-succeeded"
+
+
+def mark_succeeded(handler, token: str) -> None:
+    """An agent whose workers finished the job says so before closing the rendezvous."""
+    store = coordination_store(handler)
+    if store is not None:
+        try:
+            store.set(_ok_key(token), "1")
+        except Exception:
+            pass  # the endpoint went first: waiting agents then report no success
+
+
+def job_succeeded(handler, token: str) -> bool:
+    store = coordination_store(handler)
+    try:
+        return store is not None and store.check([_ok_key(token)])
+    except Exception:
+        return False
+
+
 def join_timeout_s(handler) -> float | None:
     try:
         return handler.settings.timeout.join.total_seconds()

@@ -32,6 +32,7 @@ import os
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -117,8 +118,7 @@ class ReplicaServer:
                 self._serve(req)
             except Exception as e:  # tell the fetcher instead of leaving it waiting
                 try:
-                    self._store.set(_k(self._token, "data", req.get("id"), "meta"),
-                                    json.dumps({"ok": False, "why": f"{type(e).__name__}: {e}"}))
+                    send_failed(self._store, self._token, req.get("id"), f"{type(e).__name__}: {e}")
                 except Exception:
                     return
 
@@ -136,25 +136,82 @@ class ReplicaServer:
         if not isinstance(ok, layout.Replica):
             raise TransferError(f"replica {path} on node {self._node} is not usable: {ok}")
         files = [layout.MANIFEST, *sorted(json.loads((path / layout.MANIFEST).read_text())["files"])]
-        sizes = [(rel, (path / rel).stat().st_size) for rel in files]
-        self._store.set(_k(self._token, "data", tid, "meta"), json.dumps({"ok": True, "files": sizes}))
-        n = 0
-        corrupt = self._corrupt
-        for rel, _size in sizes:
-            with open(path / rel, "rb") as fh:
-                while True:
-                    data = fh.read(CHUNK)
-                    if not data:
-                        break
-                    if n >= WINDOW:
-                        self._store.wait([_k(self._token, "data", tid, "ack", n - WINDOW)],
-                                         timedelta(seconds=120))
-                    if corrupt and rel != layout.MANIFEST:
-                        corrupt = False
-                        data = bytes([data[0] ^ 0xFF]) + data[1:]
-                    self._store.set(_k(self._token, "data", tid, "c", n), data)
-                    n += 1
+        send_files(self._store, self._token, tid, [(rel, path / rel) for rel in files],
+                   corrupt=(lambda rel: rel != layout.MANIFEST) if self._corrupt else None)
         self.served += 1
+
+
+def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
+               corrupt: Callable[[str], bool] | None = None, ack_timeout_s: float = 120.0) -> int:
+    """Announce ``files`` (name, path) under transfer ``tid`` and send them in chunks,
+    at most WINDOW unacknowledged; returns the bytes sent. ``corrupt``: test hook, the
+    first chunk of the first file it selects goes out with a flipped byte."""
+    sizes = [(rel, path.stat().st_size) for rel, path in files]
+    store.set(_k(token, "data", tid, "meta"), json.dumps({"ok": True, "files": sizes}))
+    n = sent = 0
+    for rel, path in files:
+        with open(path, "rb") as fh:
+            while True:
+                data = fh.read(CHUNK)
+                if not data:
+                    break
+                if n >= WINDOW:
+                    try:
+                        store.wait([_k(token, "data", tid, "ack", n - WINDOW)], timedelta(seconds=ack_timeout_s))
+                    except Exception:
+                        raise TransferError(f"the receiver took nothing more within {ack_timeout_s:.0f}s "
+                                            f"({sent} bytes sent)") from None
+                if corrupt is not None and corrupt(rel):
+                    corrupt = None
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                store.set(_k(token, "data", tid, "c", n), data)
+                sent += len(data)
+                n += 1
+    return sent
+
+
+def send_failed(store, token: str, tid: str, why: str) -> None:
+    """Tell the receiver of ``tid`` that nothing will come, and why."""
+    store.set(_k(token, "data", tid, "meta"), json.dumps({"ok": False, "why": why}))
+
+
+def wait_meta(store, token: str, tid: str, timeout_s: float) -> dict:
+    """The sender's announcement of ``tid``; TransferError if it refused or never came."""
+    try:
+        store.wait([_k(token, "data", tid, "meta")], timedelta(seconds=timeout_s))
+    except Exception:
+        raise TransferError(f"did not answer within {timeout_s:.0f}s") from None
+    meta = json.loads(store.get(_k(token, "data", tid, "meta")))
+    if not meta.get("ok"):
+        raise TransferError(f"refused: {meta.get('why')}")
+    return meta
+
+
+def recv_files(store, token: str, tid: str, meta: dict, place: Callable[[str], Path], timeout_s: float) -> None:
+    """Receive what :func:`send_files` announced in ``meta`` into ``place(name)`` (a new
+    file each, 0600, fsynced), acknowledging and deleting every chunk."""
+    wait = timedelta(seconds=timeout_s)
+    n = 0
+    for rel, size in meta["files"]:
+        dest = place(rel)
+        layout.makedirs_private(dest.parent)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
+        with os.fdopen(fd, "wb") as out:
+            left = size
+            while left > 0:
+                key = _k(token, "data", tid, "c", n)
+                try:
+                    store.wait([key], wait)
+                except Exception:
+                    raise TransferError(f"chunk {n} of {rel} did not come within {timeout_s:.0f}s") from None
+                data = store.get(key)
+                store.delete_key(key)
+                store.set(_k(token, "data", tid, "ack", n), b"")
+                out.write(data)
+                left -= len(data)
+                n += 1
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
@@ -164,7 +221,6 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
     seq = store.add(_k(token, "req", source["node_id"], "n"), 1)
     store.set(_k(token, "req", source["node_id"], seq),
               json.dumps({"id": tid, "step": step, "shard": shard, "rank": source["rank"]}))
-    wait = timedelta(seconds=timeout_s)
     final = layout.replica_dir(root, step, shard, int(source["rank"]))
     layout.makedirs_private(final.parent)
     tmp = final.parent / f".tmp-rank-{source['rank']}-fetch-{os.getpid()}"
@@ -172,30 +228,10 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
     os.mkdir(tmp, layout.DIR_MODE)
     try:
         try:
-            store.wait([_k(token, "data", tid, "meta")], wait)
-        except Exception:
-            raise TransferError(f"node {source['node_id']} did not answer within {timeout_s:.0f}s") from None
-        meta = json.loads(store.get(_k(token, "data", tid, "meta")))
-        if not meta.get("ok"):
-            raise TransferError(f"node {source['node_id']} refused: {meta.get('why')}")
-        n = 0
-        for rel, size in meta["files"]:
-            dest = tmp / rel
-            layout.makedirs_private(dest.parent)
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
-            with os.fdopen(fd, "wb") as out:
-                left = size
-                while left > 0:
-                    key = _k(token, "data", tid, "c", n)
-                    store.wait([key], wait)
-                    data = store.get(key)
-                    store.delete_key(key)
-                    store.set(_k(token, "data", tid, "ack", n), b"")
-                    out.write(data)
-                    left -= len(data)
-                    n += 1
-                out.flush()
-                os.fsync(out.fileno())
+            meta = wait_meta(store, token, tid, timeout_s)
+        except TransferError as e:
+            raise TransferError(f"node {source['node_id']} {e}") from None
+        recv_files(store, token, tid, meta, lambda rel: tmp / rel, timeout_s)
         got = hashlib.sha256((tmp / layout.MANIFEST).read_bytes()).hexdigest()
         if got != source["manifest_sha256"]:
             raise TransferError(f"manifest from node {source['node_id']} does not match the one it announced")

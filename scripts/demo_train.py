@@ -101,6 +101,8 @@ def main() -> None:
                     help="with --resumable: read batches through a shuffling DataLoader with this many workers "
                          "(epochs of --epoch-batches minibatches) instead of generating batch i from (seed, i)")
     ap.add_argument("--epoch-batches", type=int, default=5)
+    ap.add_argument("--init-log", default=None,
+                    help="append 'rank pid' to this file once the set-up ran (how often initialisation ran)")
     args = ap.parse_args()
     if args.loader_workers is not None and not args.resumable:
         ap.error("--loader-workers needs --resumable (the register path has no data-position code)")
@@ -118,6 +120,9 @@ def main() -> None:
     ddp = DDP(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    if args.init_log:
+        with open(args.init_log, "a") as f:  # closed at once: a migrated process holds no fd on it
+            f.write(f"{rank} {os.getpid()}\n")
     if args.resumable:
         train_resumable(args, rank, model, ddp, opt, sched)
         return

@@ -1,0 +1,388 @@
+"""Agents' side of ``jitrun migrate`` (issue 13): the source dumps and ships, the target
+restores and watches.
+
+The path of one migration ``g`` of rank R from node A to node B (protocol keys in
+:mod:`jitrun.migrate`):
+
+1. R (and every peer) sees the request at its next minibatch start; R reports
+   ``migrating`` to its agent, closes its store clients, tears its group down and
+   announces ``paused-<g>.json`` in ``<jit dir>/migrate/ctl/rank<R>/``. Peers tear
+   down and wait for the ``resume`` key.
+2. A's agent (:func:`migrate_out`, its main thread, from the monitor loop) waits for
+   that file, marks R as moved (so R's wrapper exiting is not a failure), dumps R
+   with CRIU (``--jit-dir`` tmpfs, images checksummed), and ships the images plus
+   the files R holds open that live on A's private disk (its output file, at the
+   size of the dump) to B through the coordination store (:mod:`jitrun.transfer`).
+3. B's agent (:class:`Target`, a thread with its own store connection) writes the
+   files at the same paths, restores R under ``python -m jitrun.criu restore``
+   (a child subreaper that forwards stop signals), writes R's resume file with B's
+   environment and says ``restored``.
+4. A sets the ``resume`` key once every moving rank of ``g`` is restored: every
+   rank rebuilds its group under a fresh store prefix and trains on. No minibatch
+   is redone; R's script is not re-run.
+
+From then on A counts R as running as long as B's helper runs and takes R's exit
+code from B (``exit`` key); A's stop signals reach R through B (``signal`` key).
+
+Failure of the migration itself (CRIU killed or failing, an image corrupted, the
+target absent or not restoring) sets ``failed``: the peers take the JIT save at
+that minibatch start and exit; R takes it too when it still runs (the dump did not
+happen), and jitrun's restart path restores the job from those replicas. Nothing is
+lost and every step is an event (``migration_*``) with seconds and sizes.
+
+Threads: :func:`migrate_out` runs on the agent's main thread and uses only the
+coordination-store connection it is given; each :class:`Target` has its own
+connection for its request loop and one more per restored worker (the
+``_watch_restored`` thread: exit code out, signals in). Nothing here is shared
+between threads but the events log (thread-safe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from . import criu, migrate, transfer
+from .events import EventLog
+
+# Test hooks on the source agent: break the migration at one stage to prove the fallback.
+FAULT_ENV = "JITCKPT_TEST_MIGRATE_FAULT"  # kill-criu | corrupt-image
+PAUSED_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "JITCKPT_MIGRATE_TIMEOUT"  # seconds for the transfer and the restore (default 120)
+
+
+def restore_timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, "120"))
+
+
+class MigrationError(RuntimeError):
+    def __init__(self, stage: str, why: str) -> None:
+        super().__init__(f"{stage}: {why}")
+        self.stage = stage
+        self.why = why
+
+
+def _k(token: str, *parts: object) -> str:
+    return "/".join([f"jitckpt/{token}/mig", *map(str, parts)])
+
+
+# -- source -------------------------------------------------------------------------------
+
+
+def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, req: dict, rank: int,
+                pid: int, ctl: Path, output: str | None, store_addr: tuple[str, int], attempt: int,
+                events: EventLog) -> dict:
+    """Move local rank ``rank`` (its namespace init is host PID ``pid``) for migration
+    ``gen``. Returns ``{"id", "to", ...timings}`` when it runs on the target;
+    raises MigrationError (after telling R and its peers) otherwise."""
+    to = str(req["to"])
+    t0 = time.monotonic()
+    stage = "pause"
+    images = root / "migrate" / "img" / f"g{gen}-rank{rank}"
+    dumped = False
+    try:
+        paused = _wait_paused(ctl / f"rank{rank}" / f"paused-{gen}.json", pid)
+        if paused.get("inet_socket_fds"):
+            raise MigrationError(stage, f"rank {rank} still holds inet sockets after teardown "
+                                        f"(fds {paused['inet_socket_fds']}); a restore elsewhere would fail")
+        stage = "dump"
+        shutil.rmtree(images, ignore_errors=True)
+        fault = os.environ.get(FAULT_ENV, "")
+        extra = []
+        if fault == "kill-criu":
+            # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
+            extra = ["--action-script", str(_kill_criu_script(root))]
+        d = criu.dump(pid, images, extra_args=extra)
+        dumped = True
+        if fault == "corrupt-image":
+            victim = max((p for p in images.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
+            with open(victim, "r+b") as fh:
+                b = fh.read(1)
+                fh.seek(0)
+                fh.write(bytes([b[0] ^ 0xFF]))
+        stage = "verify"
+        criu.verify(images)
+        t_dump = time.monotonic()
+        events.emit("migration_dumped", gen=gen, rank=rank, to=to, image_bytes=d.image_bytes,
+                    dump_s=round(d.seconds, 4), teardown_s=paused.get("teardown_s"), step=paused.get("step"))
+        stage = "transfer"
+        tid = uuid.uuid4().hex
+        files = [(f"img/{p.name}", p) for p in sorted(images.iterdir()) if p.is_file()]
+        if output and Path(output).is_file():
+            files.append((f"abs{output}", Path(output)))
+        resume = {"gen": gen, "prefix": prefix(token, attempt, gen), "store": list(store_addr)}
+        seq = coord_store.add(_k(token, "to", to, "n"), 1)
+        modes = {rel: path.stat().st_mode & 0o7777 for rel, path in files if rel.startswith("abs/")}
+        coord_store.set(_k(token, "to", to, seq), json.dumps({"id": tid, "gen": gen, "rank": rank, "modes": modes,
+                                                              "resume": resume, "ctl": str(ctl)}))
+        sent = transfer.send_files(coord_store, token, tid, files, ack_timeout_s=restore_timeout_s())
+        t_sent = time.monotonic()
+        stage = "restore"
+        got = _wait_key(coord_store, _k(token, tid, "restored"), restore_timeout_s())
+        if got is None:
+            raise MigrationError(stage, f"node {to} did not restore rank {rank} within {restore_timeout_s():.0f}s "
+                                        "(no jitrun agent with --jit-migratable on there, or it is gone)")
+        if not got.get("ok"):
+            raise MigrationError(stage, f"node {to}: {got.get('why')}")
+    except Exception as e:  # whatever broke, the job must fall back, not lose its agent
+        why = e.why if isinstance(e, MigrationError) else f"{type(e).__name__}: {e}"
+        fail(worker_store, token, gen, rank, ctl, f"{stage} failed: {why}")
+        events.emit("migration_failed", gen=gen, rank=rank, to=to, stage=stage, error=why, dumped=dumped,
+                    seconds=round(time.monotonic() - t0, 3))
+        raise MigrationError(stage, why) from None
+    finally:
+        shutil.rmtree(images, ignore_errors=True)  # restored or useless: either way not kept in memory
+    done = {"id": tid, "to": to, "dump_s": round(d.seconds, 4), "transfer_s": round(t_sent - t_dump, 4),
+            "restore_s": got.get("restore_s"), "image_bytes": d.image_bytes, "sent_bytes": sent,
+            "pid": got.get("pid"), "pause_s": round(time.monotonic() - t0, 4)}
+    events.emit("migration_restored", gen=gen, rank=rank, **done)
+    return done
+
+
+def release_peers(worker_store, token: str, gen: int, n_moving: int, n_mine: int, resume: dict) -> bool:
+    """This agent's moving ranks of ``gen`` are restored: count them in; the agent that
+    completes the count lets every rank rebuild. True if it was this one."""
+    if worker_store.add(migrate.key(token, gen, "moved"), n_mine) >= n_moving:
+        migrate.resume(worker_store, token, gen, resume["prefix"], tuple(resume["store"]))
+        return True
+    return False
+
+
+def prefix(token: str, attempt: int, gen: int) -> str:
+    # a fresh key space for the rebuilt groups: no stale keys of the torn-down ones
+    return f"jitckpt/attempt_{attempt}/migration_{gen}"
+
+
+def fail(worker_store, token: str, gen: int, rank: int, ctl: Path, why: str) -> None:
+    """Peers (store key) and the rank itself, if its process still runs (resume file)
+    take the JIT save at their minibatch start."""
+    try:
+        worker_store.set(migrate.key(token, gen, "failed"), why)
+    except Exception:
+        pass
+    d = ctl / f"rank{rank}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".resume-{gen}.tmp"
+        tmp.write_text(json.dumps({"gen": gen, "failed": why}))
+        os.replace(tmp, d / f"resume-{gen}.json")
+    except OSError:
+        pass
+
+
+def _wait_paused(path: Path, pid: int) -> dict:
+    deadline = time.monotonic() + PAUSED_TIMEOUT_S
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        if not Path(f"/proc/{pid}").exists():
+            raise MigrationError("pause", f"the worker (PID {pid}) ended before it paused")
+        if time.monotonic() > deadline:
+            raise MigrationError("pause", f"no {path} within {PAUSED_TIMEOUT_S:.0f}s")
+        time.sleep(0.01)
+
+
+def _wait_key(store, key: str, timeout_s: float) -> dict | None:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception:
+        return None
+    return json.loads(store.get(key))
+
+
+def _kill_criu_script(root: Path) -> Path:
+    """Test hook: an action script that SIGKILLs the dumping criu at its first action
+    (``post-dump``: images written, the tasks still frozen), as an OOM killer would."""
+    p = root / "migrate" / "kill-criu.sh"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && kill -9 $PPID\nexit 0\n')
+    p.chmod(0o700)
+    return p
+
+
+# -- remote workers, seen from the source ----------------------------------------------------
+
+
+class Remote:
+    """A rank that runs on another node after a migration: its exit code and the
+    signals sent to it go through the coordination store."""
+
+    def __init__(self, store, token: str, tid: str, to: str) -> None:
+        self._store = store
+        self._token = token
+        self.tid = tid
+        self.to = to
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            try:
+                if self._store.check([_k(self._token, self.tid, "exit")]):
+                    self._code = int(self._store.get(_k(self._token, self.tid, "exit")))
+            except Exception:
+                self._code = -int(signal.SIGKILL)  # the job's store is gone: nothing runs there any more
+        return self._code
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self._code if self._code is not None else -int(signal.SIGKILL)
+
+    def send(self, sig: int) -> None:
+        try:
+            self._store.set(_k(self._token, self.tid, "signal"), str(int(sig)))
+            self._store.add(_k(self._token, self.tid, "signals"), 1)
+        except Exception:
+            pass
+
+
+# -- target -----------------------------------------------------------------------------
+
+
+class Target:
+    """Restores migrated workers addressed to this node (``--to <its address>``)."""
+
+    def __init__(self, store, token: str, node: str, root: Path, events: EventLog) -> None:
+        self._store = transfer.own_connection(store, 30.0)
+        self._conn_of = store
+        self._token = token
+        self._node = node
+        self._root = root
+        self._events = events
+        self._seq = 1
+        self._stopping = False
+        self.helpers: list[subprocess.Popen] = []
+        self._thread = threading.Thread(target=self._run, name="jitrun-migration-target", daemon=True)
+
+    def start(self) -> Target:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the request loop and every worker restored here (agent exit)."""
+        self._stopping = True
+        for h in self.helpers:
+            if h.poll() is None:
+                h.send_signal(signal.SIGTERM)
+        try:
+            seq = self._conn_of.add(_k(self._token, "to", self._node, "n"), 1)
+            self._conn_of.set(_k(self._token, "to", self._node, seq), json.dumps({"stop": True}))
+        except Exception:
+            pass
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            key = _k(self._token, "to", self._node, self._seq)
+            try:
+                self._store.wait([key], timedelta(seconds=3600))
+                req = json.loads(self._store.get(key))
+            except Exception:
+                if self._stopping:
+                    return
+                time.sleep(1.0)
+                continue
+            self._seq += 1
+            if req.get("stop"):
+                return
+            try:
+                self._restore(req)
+            except Exception as e:  # tell the source instead of leaving it waiting
+                self._answer(req["id"], {"ok": False, "why": f"{type(e).__name__}: {e}"})
+                self._events.emit("migration_failed", gen=req.get("gen"), rank=req.get("rank"), stage="restore",
+                                  error=f"{type(e).__name__}: {e}", node=self._node)
+
+    def _answer(self, tid: str, body: dict) -> None:
+        try:
+            self._store.set(_k(self._token, tid, "restored"), json.dumps(body))
+        except Exception:
+            pass
+
+    def _restore(self, req: dict) -> None:
+        tid, gen, rank = req["id"], int(req["gen"]), int(req["rank"])
+        base = self._root / "migrate" / "in" / tid
+        stage = base / "recv"
+        shutil.rmtree(base, ignore_errors=True)
+        t0 = time.monotonic()
+        meta = transfer.wait_meta(self._store, self._token, tid, restore_timeout_s())
+        transfer.recv_files(self._store, self._token, tid, meta, lambda rel: stage / rel.lstrip("/"),
+                            restore_timeout_s())
+        t_recv = time.monotonic()
+        # files the worker holds open on its old node's private disk, at the same paths here
+        for rel, _size in meta["files"]:
+            if rel.startswith("abs/"):
+                dest = Path(rel[3:])
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.chmod(stage / rel, int(req.get("modes", {}).get(rel, 0o644)))  # CRIU checks the mode
+                os.replace(stage / rel, dest)
+        images = stage / "img"
+        ctl = Path(req["ctl"]) / f"rank{rank}"
+        ctl.mkdir(parents=True, exist_ok=True)
+        helper = subprocess.Popen(criu.restore_and_wait_command(images), stdout=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        line = helper.stdout.readline().decode(errors="replace").strip() if helper.stdout else ""
+        if not line.startswith("RESTORED "):
+            helper.wait()
+            shutil.rmtree(base, ignore_errors=True)
+            why = line[len("FAILED "):] if line.startswith("FAILED ") else f"restore helper exited {helper.returncode}"
+            raise RuntimeError(why)
+        self.helpers.append(helper)
+        _, pid, secs = line.split()
+        shutil.rmtree(base, ignore_errors=True)  # CRIU needs the images no more
+        env = {"JITCKPT_NODE": self._node}
+        for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+            if k in os.environ:
+                env[k] = os.environ[k]
+        body = {**req["resume"], "env": env}
+        tmp = ctl / f".resume-{gen}.tmp"
+        tmp.write_text(json.dumps(body))
+        os.replace(tmp, ctl / f"resume-{gen}.json")
+        self._answer(tid, {"ok": True, "pid": int(pid), "restore_s": float(secs),
+                           "recv_s": round(t_recv - t0, 4), "node": self._node})
+        self._events.emit("migration_arrived", gen=gen, rank=rank, pid=int(pid), restore_s=float(secs),
+                          recv_s=round(t_recv - t0, 4), node=self._node)
+        threading.Thread(target=self._watch_restored, args=(helper, tid, rank, int(pid)), daemon=True,
+                         name=f"jitrun-migrated-rank{rank}").start()
+
+    def _watch_restored(self, helper: subprocess.Popen, tid: str, rank: int, pid: int) -> None:
+        """Exit code out, stop signals in, until the restored worker ends."""
+        store = transfer.own_connection(self._conn_of, 30.0)
+        seen = 0
+        while True:
+            code = helper.poll()
+            if code is not None:
+                break
+            try:
+                n = int(store.add(_k(self._token, tid, "signals"), 0))
+                if n > seen:
+                    seen = n
+                    sig = int(store.get(_k(self._token, tid, "signal")))
+                    # the helper forwards catchable signals; SIGKILL would end only the helper
+                    if sig == signal.SIGKILL:
+                        os.kill(pid, sig)
+                    else:
+                        helper.send_signal(sig)
+            except ProcessLookupError:
+                pass  # ended meanwhile: poll() says so next
+            except Exception:
+                pass  # the store went with the job: the helper dies with this agent (PDEATHSIG)
+            try:
+                helper.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        self._events.emit("worker_exit", rank=rank, exitcode=code, migrated=True, node=self._node)
+        try:
+            store.set(_k(self._token, tid, "exit"), str(code))
+        except Exception:
+            pass
