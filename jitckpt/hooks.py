@@ -67,6 +67,9 @@ def install(rt: Runtime, detect: bool = True) -> None:
         def ddp_init(self, *args, **kwargs):
             orig_init(self, *args, **kwargs)
             self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
+            from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
+
+            track_ddp(self)
 
         ddp_init.__jitckpt_wrapped__ = orig_init
         DDP.__init__ = ddp_init

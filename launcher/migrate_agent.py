@@ -108,8 +108,8 @@ def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, 
                 b = fh.read(1)
                 fh.seek(0)
                 fh.write(bytes([b[0] ^ 0xFF]))
-        stage = "verify"
-        criu.verify(images)
+        # (verified where it is restored: a check here, right after the manifest was
+        # computed from these very files, would only add a read of every page)
         t_dump = time.monotonic()
         events.emit("migration_dumped", gen=gen, rank=rank, to=to, image_bytes=d.image_bytes,
                     dump_s=round(d.seconds, 4), teardown_s=paused.get("teardown_s"), step=paused.get("step"))
@@ -119,11 +119,15 @@ def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, 
         if output and Path(output).is_file():
             files.append((f"abs{output}", Path(output)))
         resume = {"gen": gen, "prefix": prefix(token, attempt, gen), "store": list(store_addr)}
+        port_key = _k(token, "to", to, "port")
+        if not coord_store.check([port_key]):
+            raise MigrationError(stage, f"no jitrun agent of this job with --jit-migratable on listens on node {to}")
+        port = int(coord_store.get(port_key))
         seq = coord_store.add(_k(token, "to", to, "n"), 1)
         modes = {rel: path.stat().st_mode & 0o7777 for rel, path in files if rel.startswith("abs/")}
         coord_store.set(_k(token, "to", to, seq), json.dumps({"id": tid, "gen": gen, "rank": rank, "modes": modes,
                                                               "resume": resume, "ctl": str(ctl)}))
-        sent = transfer.send_files(coord_store, token, tid, files, ack_timeout_s=restore_timeout_s())
+        sent = transfer.send_stream(to, port, token, tid, files, timeout_s=restore_timeout_s())
         t_sent = time.monotonic()
         stage = "restore"
         got = _wait_key(coord_store, _k(token, tid, "restored"), restore_timeout_s())
@@ -255,6 +259,9 @@ class Target:
 
     def __init__(self, store, token: str, node: str, root: Path, events: EventLog) -> None:
         self._store = transfer.own_connection(store, 30.0)
+        # images come straight from the source agent, on this node's job address
+        self._listener = transfer.listen(node)
+        self._store.set(_k(token, "to", node, "port"), str(self._listener.getsockname()[1]))
         self._conn_of = store
         self._token = token
         self._node = node
@@ -281,6 +288,7 @@ class Target:
         except Exception:
             pass
         self._thread.join(5.0)
+        self._listener.close()
 
     def _run(self) -> None:
         while not self._stopping:
@@ -315,12 +323,11 @@ class Target:
         stage = base / "recv"
         shutil.rmtree(base, ignore_errors=True)
         t0 = time.monotonic()
-        meta = transfer.wait_meta(self._store, self._token, tid, restore_timeout_s())
-        transfer.recv_files(self._store, self._token, tid, meta, lambda rel: stage / rel.lstrip("/"),
-                            restore_timeout_s())
+        got = transfer.recv_stream(self._listener, self._token, tid, lambda rel: stage / rel.lstrip("/"),
+                                   restore_timeout_s())
         t_recv = time.monotonic()
         # files the worker holds open on its old node's private disk, at the same paths here
-        for rel, _size in meta["files"]:
+        for rel, _size in got:
             if rel.startswith("abs/"):
                 dest = Path(rel[3:])
                 dest.parent.mkdir(parents=True, exist_ok=True)

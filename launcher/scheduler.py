@@ -11,6 +11,13 @@ placement from its stdout::
     out: {"action": "restart" | "abort", "env": {NAME: VALUE, ...},
           "visible_devices": "0,2" (optional, becomes CUDA_VISIBLE_DEVICES)}
 
+A device found unhealthy while the job runs (NVML, ``launcher/health.py``) is
+described with ``"event": "device_unhealthy"`` and its ``ranks``; for that event
+the hook may also answer ``{"action": "migrate", "to": "<node address>"}``: the
+ranks move there live (``jitrun migrate``, needs ``--jit-migratable on``).
+``restart`` (what ``local`` answers) stops them with a JIT checkpoint and restarts
+without the device when enough remain.
+
 ``slurm``: jitrun runs inside a Slurm allocation (checked by parse_hook).
 After a failure every lost node (``lost_nodes``: agent vanished) is drained with
 reason "jitrun: ..."; one surviving agent (the first of sorted ``hosts``, so
@@ -50,6 +57,7 @@ class Placement:
     action: str = "restart"
     env: dict[str, str] = field(default_factory=dict)
     visible_devices: str | None = None
+    to: str | None = None  # action "migrate": the target node's address
 
 
 def parse_hook(spec: str) -> str:
@@ -97,15 +105,19 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
         ans = json.loads(out)
     except ValueError:
         raise SchedulerError(f"scheduler hook {path} answered non-JSON: {out[:200]!r}") from None
-    if not isinstance(ans, dict) or ans.get("action", "restart") not in ("restart", "abort"):
-        raise SchedulerError(f"scheduler hook {path}: 'action' must be 'restart' or 'abort', got {ans!r}")
+    actions = ("restart", "abort", "migrate") if failure.get("event") == "device_unhealthy" else ("restart", "abort")
+    if not isinstance(ans, dict) or ans.get("action", "restart") not in actions:
+        raise SchedulerError(f"scheduler hook {path}: 'action' must be one of {', '.join(actions)}, got {ans!r}")
+    to = ans.get("to")
+    if ans.get("action") == "migrate" and not (isinstance(to, str) and to):
+        raise SchedulerError(f"scheduler hook {path}: 'migrate' needs 'to', the target node's address; got {ans!r}")
     env = ans.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SchedulerError(f"scheduler hook {path}: 'env' must map strings to strings")
     vis = ans.get("visible_devices")
     if vis is not None and not isinstance(vis, str):
         raise SchedulerError(f"scheduler hook {path}: 'visible_devices' must be a string like \"0,2\", got {vis!r}")
-    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis)
+    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis, to=to)
 
 
 def _warn(msg: str) -> None:

@@ -27,10 +27,13 @@ A shared jit dir needs no copies: the replica is found locally first.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import shutil
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -192,24 +195,36 @@ def recv_files(store, token: str, tid: str, meta: dict, place: Callable[[str], P
     file each, 0600, fsynced), acknowledging and deleting every chunk."""
     wait = timedelta(seconds=timeout_s)
     n = 0
-    for rel, size in meta["files"]:
+
+    def read(rel: str, left: int) -> bytes:
+        nonlocal n
+        key = _k(token, "data", tid, "c", n)
+        try:
+            store.wait([key], wait)
+        except Exception:
+            raise TransferError(f"chunk {n} of {rel} did not come within {timeout_s:.0f}s") from None
+        data = store.get(key)
+        store.delete_key(key)
+        store.set(_k(token, "data", tid, "ack", n), b"")
+        n += 1
+        return data
+
+    _write_files(meta["files"], place, read)
+
+
+def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str, int], bytes]) -> None:
+    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced),
+    its bytes from ``read(name, bytes left)``."""
+    for rel, size in files:
         dest = place(rel)
         layout.makedirs_private(dest.parent)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
         with os.fdopen(fd, "wb") as out:
             left = size
             while left > 0:
-                key = _k(token, "data", tid, "c", n)
-                try:
-                    store.wait([key], wait)
-                except Exception:
-                    raise TransferError(f"chunk {n} of {rel} did not come within {timeout_s:.0f}s") from None
-                data = store.get(key)
-                store.delete_key(key)
-                store.set(_k(token, "data", tid, "ack", n), b"")
+                data = read(rel, left)
                 out.write(data)
                 left -= len(data)
-                n += 1
             out.flush()
             os.fsync(out.fileno())
 
@@ -267,3 +282,73 @@ def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard
         except TransferError as e:
             errors.append(str(e))
     return None, errors, None
+
+
+# -- direct streams (CRIU images: hundreds of MB, one sender, one receiver) ------------------
+#
+# Through the store every byte would pass the rendezvous host's process twice. The
+# receiver listens on its node's job address (--local-addr) and announces the port in
+# the store; the sender connects and sends one JSON header line, {"token", "tid",
+# "files": [[name, size], ...]}, then the files' bytes back to back. A connection whose
+# token or transfer id is not the awaited one is closed and the wait goes on.
+
+STREAM_BUF = 1 << 20
+
+
+def listen(addr: str) -> socket.socket:
+    """A listening socket on the job's address of this node (never a wildcard)."""
+    srv = socket.create_server((addr, 0), family=socket.AF_INET6 if ":" in addr else socket.AF_INET, backlog=8)
+    srv.settimeout(1.0)
+    return srv
+
+
+def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[str, Path]],
+                timeout_s: float) -> int:
+    """Send ``files`` (name, path) to a receiver's :func:`recv_stream`; returns bytes sent."""
+    sizes = [(rel, path.stat().st_size) for rel, path in files]
+    header = json.dumps({"token": token, "tid": tid, "files": sizes}).encode() + b"\n"
+    try:
+        with socket.create_connection((addr, port), timeout=timeout_s) as conn:
+            conn.sendall(header)
+            sent = 0
+            for _rel, path in files:
+                with open(path, "rb") as fh:
+                    sent += conn.sendfile(fh)
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(1)  # the receiver closes once it has everything on disk
+            return sent
+    except OSError as e:
+        raise TransferError(f"streaming to {addr}:{port} failed: {e}") from None
+
+
+def recv_stream(srv: socket.socket, token: str, tid: str, place: Callable[[str], Path],
+                timeout_s: float) -> list[tuple[str, int]]:
+    """Accept the sender of ``tid`` on ``srv`` and write its files to ``place(name)``
+    (new files, 0600, fsynced). Returns the (name, size) list it announced."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if time.monotonic() > deadline:
+            raise TransferError(f"no sender of transfer {tid} within {timeout_s:.0f}s")
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.settimeout(max(deadline - time.monotonic(), 1.0))
+            rf = conn.makefile("rb", buffering=STREAM_BUF)
+            try:
+                head = json.loads(rf.readline(1 << 16))
+            except (ValueError, OSError):
+                continue
+            if not (isinstance(head, dict) and hmac.compare_digest(str(head.get("token", "")), token)
+                    and head.get("tid") == tid):
+                continue  # not ours: wrong job, wrong transfer, or a stray connection
+
+            def read(rel: str, left: int, rf=rf) -> bytes:
+                data = rf.read(min(left, STREAM_BUF))
+                if not data:
+                    raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")
+                return data
+
+            _write_files(head["files"], place, read)
+            return [(rel, size) for rel, size in head["files"]]

@@ -95,9 +95,10 @@ class Wakeup:
                     return  # the store is gone
                 continue
             nxt += 1
-            self._signal()
+            self.poke()
 
-    def _signal(self) -> None:
+    def poke(self) -> None:
+        """Wake the monitor loop now (any thread)."""
         try:
             os.write(self._w, b"r")
         except BlockingIOError:

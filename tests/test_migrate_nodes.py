@@ -149,10 +149,11 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
         assert cp.returncode == 1 and "FAILED" in cp.stderr, cp.stdout + cp.stderr
         evs = _finish(job)
         assert_same_state(ref, job.out)
-        failed = [e for e in evs if e["event"] == "migration_failed"]
+        # the source's record (the target, when it got as far, records its side too)
+        failed = [e for e in evs if e["event"] == "migration_failed" and "to" in e]
         assert len(failed) == 1, (failed, job.logs())
-        want = {"kill-criu": "dump", "corrupt-image": "verify", "no-target": "transfer"}[fault]
-        assert failed[0]["stage"] in (want, "restore"), failed
+        want = {"kill-criu": "dump", "corrupt-image": "restore", "no-target": "transfer"}[fault]
+        assert failed[0]["stage"] == want, failed
         recs = [e for e in evs if e["event"] == "recovery"]
         assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, (recs, job.logs())
         assert not [e for e in evs if e["event"] == "migration_restored"]
