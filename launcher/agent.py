@@ -57,6 +57,7 @@ class JitOptions:
     save_timeout_s: float
     scheduler: str
     command: list[str] = field(default_factory=list)  # this agent's argv, to start a replacement
+    health_interval_s: float = 0.0  # NVML checks while the job runs (0: only before each start)
 
 
 @dataclass
@@ -178,6 +179,12 @@ class JitAgent(LocalElasticAgent):
         self._mig_pids: dict[int, int] = {}  # rank -> host PID of its namespace init (what CRIU dumps)
         self._mig_out: dict[int, str] = {}  # rank -> its output file (held open, on this node's disk)
         self._target: migrate_agent.Target | None = None
+        # issue 13: devices NVML reports failing (launcher/health.py); the monitor thread
+        # appends, the main thread takes them in _monitor_workers
+        self._unhealthy: list = []
+        self._bad_devices: set[str] = set()  # left out of CUDA_VISIBLE_DEVICES at the next start
+        self._health_monitor = None
+        self._nvml_count = 0
         coord = rdzv.coordination_store(handler)
         if migrate.enabled() and coord is not None:
             # also on a spare: a node waiting to join can take migrated workers
@@ -301,6 +308,7 @@ class JitAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup):
         self._prepare_restore()
+        self._check_devices(worker_group)
         pids = super()._start_workers(worker_group)
         if migrate.enabled():  # issue 13: where each migratable rank runs
             ranks = migrate.record_workers(self, worker_group)
@@ -352,6 +360,8 @@ class JitAgent(LocalElasticAgent):
         if it would not stop (the caller then leaves with os._exit)."""
         if self._target is not None:
             self._target.stop()
+        if self._health_monitor is not None:
+            self._health_monitor.stop()
         woke = self._wakeup.close()
         if self._server is None or self._coord is None:
             return woke
@@ -406,6 +416,83 @@ class JitAgent(LocalElasticAgent):
         values = {wg.workers[lr].global_rank: v for lr, v in pc._return_values.items()}  # type: ignore[union-attr]
         pc.close()  # type: ignore[union-attr]
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+    # -- device health (issue 13) -------------------------------------------------
+
+    def _devices(self, wg: WorkerGroup) -> list[str]:
+        """The devices the workers see, in local-rank order: CUDA_VISIBLE_DEVICES, else
+        every device NVML counted (else one per local rank)."""
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return vis.split(",") if vis else [str(i) for i in range(self._nvml_count or wg.spec.local_world_size)]
+
+    def _check_devices(self, wg: WorkerGroup) -> None:
+        """Before every (re)start: leave devices NVML reports failing out of
+        CUDA_VISIBLE_DEVICES when enough remain (the scheduler hook decides), then keep
+        watching on a period (once per agent)."""
+        from . import health
+
+        devs = health.check()
+        self._nvml_count = len(devs)
+        bad = [d for d in devs if not d.ok]
+        names = self._devices(wg)
+        failing = sorted({n for d in bad for n in names if n in (str(d.index), d.uuid)} | self._bad_devices)
+        if failing:
+            self._events.emit("device_unhealthy", stage="start", devices=failing,
+                              reasons={str(d.index): d.reason for d in bad})
+            placement = scheduler.place(self._jit.scheduler, {
+                "event": "device_unhealthy", "job_id": self._jit.job_id, "failed_devices": failing,
+                "devices": ",".join(names), "nproc_per_node": wg.spec.local_world_size, "ranks": [],
+                "hosts": [self._node.host], "node": {"node_id": self._node.node_id, "addr": self._node.addr}})
+            if placement.visible_devices is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
+                self._jit_env_keys.add("CUDA_VISIBLE_DEVICES")
+                print(f"jitrun: device(s) {', '.join(failing)} failing: starting on CUDA_VISIBLE_DEVICES="
+                      f"{placement.visible_devices}", file=sys.stderr, flush=True)
+        if self._health_monitor is None and self._jit.health_interval_s > 0 and health.available():
+            def failing_now(devs: list) -> None:  # the monitor's thread: hand over, wake the main thread
+                self._unhealthy.extend(devs)
+                self._wakeup.poke()
+
+            self._health_monitor = health.HealthMonitor(self._jit.health_interval_s, failing_now,
+                                                        self._events.emit)
+            self._health_monitor.start()
+
+    def _on_unhealthy(self, wg: WorkerGroup) -> None:
+        """A device failed while its rank runs: ask the scheduler hook whether to move
+        the rank live (``migrate``) or to stop it with a JIT checkpoint and restart
+        without the device (``restart``, what ``local`` answers)."""
+        devs, self._unhealthy[:] = list(self._unhealthy), []
+        names = self._devices(wg)
+        failing = {n for d in devs for n in names if n in (str(d.index), d.uuid)}
+        ranks = sorted(w.global_rank for w in wg.workers if w.local_rank < len(names)
+                       and names[w.local_rank] in failing and w.global_rank not in self._moved)
+        if not ranks:
+            return
+        self._bad_devices |= failing
+        failure = {"event": "device_unhealthy", "job_id": self._jit.job_id, "failed_devices": sorted(failing),
+                   "ranks": ranks, "reasons": {str(d.index): d.reason for d in devs},
+                   "devices": ",".join(names), "nproc_per_node": wg.spec.local_world_size,
+                   "hosts": [self._node.host], "node": {"node_id": self._node.node_id, "addr": self._node.addr}}
+        try:
+            placement = scheduler.place(self._jit.scheduler, failure)
+        except scheduler.SchedulerError as e:
+            print(f"jitrun: {e}; restarting without the device instead", file=sys.stderr, flush=True)
+            placement = scheduler.Placement()
+        if placement.action == "migrate" and migrate.enabled():
+            gen = migrate.request(self._reader_store(wg), self._jit.token, ranks, str(placement.to))
+            self._events.emit("migration_requested", gen=gen, ranks=ranks, to=placement.to, why="device_unhealthy",
+                              devices=sorted(failing))
+            print(f"jitrun: device(s) {', '.join(sorted(failing))} failing: moving rank(s) {ranks} to "
+                  f"{placement.to}", file=sys.stderr, flush=True)
+            return
+        if placement.action == "migrate":
+            print("jitrun: the scheduler hook asked to migrate, but the job runs without --jit-migratable on; "
+                  "restarting without the device instead", file=sys.stderr, flush=True)
+        # the ranks take their JIT checkpoint and exit; the failure path restarts the job
+        procs = self._procs(wg)
+        for r in ranks:
+            procs[r].signal(signal.SIGTERM)
+        self._events.emit("device_restart", ranks=ranks, devices=sorted(failing))
 
     # -- migration (issue 13) -----------------------------------------------------
 
@@ -474,6 +561,8 @@ class JitAgent(LocalElasticAgent):
                 self._life[r] = (ticks, now)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._unhealthy:
+            self._on_unhealthy(worker_group)
         procs = self._procs(worker_group)
         self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         msgs = self._poll(worker_group, absorb=False)
@@ -759,7 +848,9 @@ class JitAgent(LocalElasticAgent):
         local_of = {w.global_rank: w.local_rank for w in worker_group.workers}
         dev_list = devices.split(",") if devices else []
         failed_devices = sorted({dev_list[local_of[r]] for r in failed_ranks
-                                 if r in local_of and local_of[r] < len(dev_list)})
+                                 if r in local_of and local_of[r] < len(dev_list)} | self._bad_devices)
+        if self._bad_devices and not devices:  # NVML's indices: make the visible set explicit
+            devices = ",".join(self._devices(worker_group))
         failure = {
             "job_id": self._jit.job_id,
             "restart_count": restart_count,

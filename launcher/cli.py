@@ -84,6 +84,10 @@ def _parser():
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
+    g.add_argument("--jit-health-interval", type=float, default=30.0,  # issue 13: launcher/health.py
+                   help="seconds between NVML health checks of this node's devices while the job runs "
+                        "(0: only before each start); a failing device's ranks are migrated or restarted "
+                        "without it, as the scheduler hook says (default 30)")
     g.add_argument("--jit-scheduler", default="local",
                    help="scheduler hook: 'local' or 'exec:/path/to/program' (JSON in, JSON out)")
     g.add_argument("--jit-intercept", choices=("auto", "on", "off"), default="auto",
@@ -200,6 +204,8 @@ def check_args(args) -> str | None:
     Run before anything is created on disk or started."""
     err = (_check_seconds("--jit-timeout", args.jit_timeout)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
+           or (None if args.jit_health_interval == 0 else
+               _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
            or _check_ec(args)
            or _check_program(args))
@@ -381,7 +387,7 @@ def run(args) -> int:
 
     rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, share_token=not user_token,
                 timeout_s=timeout,
-                save_timeout_s=args.jit_save_timeout, sched=sched,
+                save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:
         from .shim_events import collect

@@ -140,7 +140,22 @@ def check_isal() -> Result:
     return Result("isa-l", True, "libisal.so.2 loads")
 
 
-CHECKS = (check_criu, check_netns, check_shim, check_isal)
+def check_nvml() -> Result:
+    """Not a failure without a driver: a CPU node has no device to watch."""
+    from . import health
+
+    if not health.available():
+        return Result("nvml", True, "no NVML here (libnvidia-ml.so.1 not loadable, or nvidia-ml-py missing): "
+                                    "device health checks are off, nothing to do on a CPU node")
+    devs = health.check()
+    bad = [d for d in devs if not d.ok]
+    if bad:
+        return Result("nvml", False, "failing: " + "; ".join(f"device {d.index}: {d.reason}" for d in bad)
+                      + " (jitrun leaves them out at the next start; replace or reset them)")
+    return Result("nvml", True, f"{len(devs)} device(s) healthy")
+
+
+CHECKS = (check_criu, check_netns, check_shim, check_isal, check_nvml)
 
 
 def run_checks() -> list[Result]:
@@ -157,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="jitrun doctor",
         description="Check, one line each, whether CRIU (process migration), network namespaces "
-                    "(multi-node tests), the libintercept shim and ISA-L (erasure coding) work on "
-                    "this machine, and what to do when not. Exit 0 when all work, 1 otherwise.")
+                    "(multi-node tests), the libintercept shim, ISA-L (erasure coding) and NVML (device "
+                    "health) work on this machine, and what to do when not. Exit 0 when all work, 1 otherwise.")
     p.parse_args(argv)
     results = run_checks()
     for r in results:

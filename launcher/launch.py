@@ -24,7 +24,8 @@ from .events import EventLog, summary
 
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str, share_token: bool,
-           timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None) -> int:
+           timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None,
+           health_interval_s: float = 0.0) -> int:
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     events = EventLog(root / "events.jsonl")
@@ -54,7 +55,8 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
-                       save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or [])),
+                       save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
+                       health_interval_s=health_interval_s),
         events=events)
     code = 1
     shutdown_rdzv = True

@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ def _doctor(env: dict | None = None) -> tuple[int, dict[str, str]]:
         status, rest = ln.split(None, 1)
         name, detail = rest.split(": ", 1)
         lines[name] = f"{status} {detail}"
-    assert set(lines) == {"criu", "netns", "shim", "isa-l"}, cp.stdout + cp.stderr
+    assert set(lines) == {"criu", "netns", "shim", "isa-l", "nvml"}, cp.stdout + cp.stderr
     return cp.returncode, lines
 
 
@@ -60,6 +61,27 @@ def test_each_line_is_right_for_this_machine():
     assert rc == (0 if all(v.startswith("ok") for v in lines.values()) else 1)
     if expect["criu"]:
         assert "dumped a test process with a TCP socket" in lines["criu"]
+    assert "nvml" in lines
+
+
+def test_nvml_line_against_the_stand_in():
+    """The stand-in libnvidia-ml.so.1: healthy, then one device lost (a FAIL naming it);
+    no NVML at all is not a failure on a CPU node."""
+    subprocess.run(["make", "-s", "-C", str(ROOT / "libintercept"), "sim"], check=True, capture_output=True)
+    code = ("import sys; from jitrun import doctor; r = doctor.check_nvml(); print(r.ok, r.detail)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JITSIM_NVML_DEVICES": "2",
+           "JITCKPT_NVML_LIB": str(ROOT / "build" / "sim" / "libnvidia-ml.so.1")}
+    with tempfile.NamedTemporaryFile("w", suffix=".state") as st:
+        env["JITSIM_NVML_STATE"] = st.name
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+        assert out.startswith("True 2 device(s) healthy"), out
+        st.write("device=1 lost\n")
+        st.flush()
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+        assert out.startswith("False failing: device 1") and "lost" in out, out
+    env["JITCKPT_NVML_LIB"] = "/nonexistent/libnvidia-ml.so.1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout
+    assert out.startswith("True no NVML here"), out
 
 
 def test_forced_failures_say_what_to_do(monkeypatch, tmp_path, capsys):

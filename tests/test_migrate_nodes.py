@@ -12,6 +12,7 @@ one minibatch redone, and the events say what failed."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,38 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
         recs = [e for e in evs if e["event"] == "recovery"]
         assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, (recs, job.logs())
         assert not [e for e in evs if e["event"] == "migration_restored"]
+
+
+def test_failing_device_moves_its_rank_live(mn_reference, criu_ok):  # noqa: F811
+    """Issue 13 item 5: NVML (the stand-in libnvidia-ml.so.1) reports node 1's device
+    lost while it trains; jitrun's health monitor asks the scheduler hook, which
+    answers migrate to the spare: the rank moves live, nothing restarts."""
+    ref = mn_reference(2, 1, STEPS)
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(["make", "-s", "-C", str(root / "libintercept"), "sim"], check=True, capture_output=True)
+    with Cluster(2, tag="mh") as c:
+        hook = c.dir / "hook.sh"
+        hook.write_text(f"#!/bin/sh\ncat > {c.dir}/hook-in.json\ncat {c.dir}/hook-out.json\n")
+        hook.chmod(0o700)
+        (c.dir / "hook-out.json").write_text('{"action": "restart"}')
+        state = c.dir / "nvml1.state"
+        job = Job(c, 1, STEPS, nnodes=2, train=[*TRAIN, "--init-log", str(c.dir / "init.log")],
+                  extra=["--jit-migratable", "on", "--jit-health-interval", "0.3", "--jit-scheduler", f"exec:{hook}"])
+        job.start(c.nodes[0])
+        job.start(c.nodes[1], env={"JITCKPT_NVML_LIB": str(root / "build" / "sim" / "libnvidia-ml.so.1"),
+                                   "JITSIM_NVML_STATE": str(state), "JITSIM_NVML_DEVICES": "1"})
+        _wait_rank_output(job, "agent0", 0, "step   10")
+        spare = c.add_node()
+        job.start(spare, name="spare")
+        time.sleep(4)
+        (c.dir / "hook-out.json").write_text(f'{{"action": "migrate", "to": "{spare.addr}"}}')
+        state.write_text("device=0 lost\n")
+        evs = _finish(job)
+        assert_same_state(ref, job.out)
+        asked = json.loads((c.dir / "hook-in.json").read_text())
+        assert asked["event"] == "device_unhealthy" and asked["ranks"] == [1], asked
+        assert not [e for e in evs if e["event"] in ("restart", "recovery")], job.logs()
+        req = [e for e in evs if e["event"] == "migration_requested"]
+        assert len(req) == 1 and req[0]["ranks"] == [1] and req[0]["to"] == spare.addr, req
+        assert [e["rank"] for e in evs if e["event"] == "migration_restored"] == [1], job.logs()
+        assert sorted(int(line.split()[0]) for line in _inits(c)) == [0, 1], _inits(c)

@@ -106,8 +106,22 @@ def test_place_exec_non_zero_exit(tmp_path):
 @pytest.mark.parametrize("answer", ['{"action": "reboot"}', '["restart"]', "null"])
 def test_place_exec_bad_action(tmp_path, answer):
     spec = _hook(tmp_path, f"cat >/dev/null; echo '{answer}'")
-    with pytest.raises(SchedulerError, match="'action' must be 'restart' or 'abort'"):
+    with pytest.raises(SchedulerError, match="'action' must be one of restart, abort, got"):
         scheduler.place(spec, FAILURE)
+
+
+def test_place_exec_migrate_only_for_a_device_and_with_a_target(tmp_path):
+    """'migrate' moves running ranks (jitrun migrate): an answer to a device found
+    unhealthy while they run, never to a failure (the ranks are gone), and it needs 'to'."""
+    spec = _hook(tmp_path, """cat >/dev/null; echo '{"action": "migrate", "to": "10.0.0.7"}'""")
+    with pytest.raises(SchedulerError, match="must be one of restart, abort, got"):
+        scheduler.place(spec, FAILURE)
+    unhealthy = {**FAILURE, "event": "device_unhealthy", "ranks": [1]}
+    got = scheduler.place(spec, unhealthy)
+    assert (got.action, got.to) == ("migrate", "10.0.0.7")
+    spec = _hook(tmp_path, """cat >/dev/null; echo '{"action": "migrate"}'""")
+    with pytest.raises(SchedulerError, match="'migrate' needs 'to'"):
+        scheduler.place(spec, unhealthy)
 
 
 @pytest.mark.parametrize("env", ['{"N": 1}', '["N=1"]', '{"N": null}', '{"N": ["a"]}'])

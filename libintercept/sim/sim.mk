@@ -18,7 +18,7 @@ SIM_LDFLAGS = -shared -Wl,-z,defs -Wl,--as-needed -pthread
 SIM_CORE    = $(SIM_OUT)/libjitsimcore.so
 SIM_LIBS    = $(SIM_CORE) $(SIM_OUT)/libcudart.so.12 $(SIM_OUT)/libcudart.so.13 \
               $(SIM_OUT)/libnccl.so.2 $(SIM_OUT)/libcudart.so $(SIM_OUT)/libnccl.so \
-              $(SIM_OUT)/jitsim-cleanup
+              $(SIM_OUT)/jitsim-cleanup $(SIM_OUT)/libnvidia-ml.so.1
 SIM_HDRS    = abi/cuda_abi.h abi/nccl_abi.h sim/simcore.h
 
 all: sim
@@ -51,6 +51,10 @@ $(SIM_OUT)/libcudart.so: $(SIM_OUT)/libcudart.so.13
 	ln -sf libcudart.so.13 $@
 $(SIM_OUT)/libnccl.so: $(SIM_OUT)/libnccl.so.2
 	ln -sf libnccl.so.2 $@
+
+# NVML for jitrun's health checks (launcher/health.py), with injectable device faults.
+$(SIM_OUT)/libnvidia-ml.so.1: sim/nvml.c $(SIM_OUT)/.dir
+	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ sim/nvml.c
 
 $(SIM_OUT)/jitsim-cleanup: sim/jitsim-cleanup.c $(SIM_OUT)/.dir
 	$(CC) $(CFLAGS) -o $@ $<
