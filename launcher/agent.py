@@ -188,7 +188,11 @@ class JitAgent(LocalElasticAgent):
         coord = rdzv.coordination_store(handler)
         if migrate.enabled() and coord is not None:
             # also on a spare: a node waiting to join can take migrated workers
-            self._target = migrate_agent.Target(coord, jit.token, self._node.addr, jit.root, events).start()
+            try:
+                self._target = migrate_agent.Target(coord, jit.token, self._node.addr, jit.root, events).start()
+            except OSError as e:  # the job trains on; only moving ranks here is off
+                print(f"jitrun: this node cannot take migrated workers: listening on {self._node.addr} failed "
+                      f"({e}); pass --local-addr with this node's address", file=sys.stderr, flush=True)
 
     # -- store ----------------------------------------------------------------
 
