@@ -139,3 +139,40 @@ def assert_same_state(a: Path, b: Path) -> None:
     assert b.exists(), f"{b} was not written"
     n, diffs = diff_states(str(a), str(b))
     assert n > 10 and not diffs, diffs[:10]
+
+
+# -- CRIU (test_criu, test_migrate_mechanism, test_device_loss) ------------------------------
+
+@pytest.fixture(scope="module")
+def criu_bin() -> str:
+    """A working criu, built once per machine when missing (scripts/build_criu.sh);
+    skips with the reason when there is none (not root, kernel without support)."""
+    from jitrun import criu
+
+    if os.geteuid() != 0:
+        pytest.skip("CRIU needs root")
+    try:
+        path = criu.find_criu()
+        criu.check(path)
+        return path
+    except criu.CriuError:
+        pass
+    cp = subprocess.run([str(ROOT / "scripts" / "build_criu.sh")], capture_output=True, text=True)
+    try:
+        path = criu.find_criu()
+        criu.check(path)
+    except criu.CriuError as e:
+        pytest.skip(f"no working CRIU here ({e}); build_criu.sh said: {cp.stderr[-800:]}")
+    return path
+
+
+@pytest.fixture
+def subreaper():
+    """Restored trees are detached from criu; as a child subreaper this test process
+    becomes their parent, so it can wait for them. Reset after the test."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    yield
+    libc.prctl(36, 0, 0, 0, 0)

@@ -13,7 +13,6 @@ with the reason otherwise.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -77,39 +76,6 @@ def _expected_py(steps: int) -> list[str]:
         x = (x * 6364136223846793005 + 1442695040888963407) % 2**64
         lines.append(f"{i} {x:016x} pid=1")
     return [*lines, "done"]
-
-
-@pytest.fixture(scope="module")
-def criu_bin() -> str:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
-    try:
-        path = criu.find_criu()
-        criu.check(path)
-        return path
-    except criu.CriuError:
-        pass
-    # Not provisioned yet: build it once (cached per machine afterwards).
-    cp = subprocess.run([str(ROOT / "scripts" / "build_criu.sh")], capture_output=True, text=True)
-    try:
-        path = criu.find_criu()
-        criu.check(path)
-    except criu.CriuError as e:
-        pytest.skip(f"no working CRIU here ({e}); build_criu.sh said: {cp.stderr[-800:]}")
-    return path
-
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-@pytest.fixture
-def subreaper():
-    """Restored trees are detached from criu; as a child subreaper this test process
-    becomes their parent, so it can wait for them. Reset after the test."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    yield
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.fixture

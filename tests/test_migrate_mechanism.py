@@ -15,7 +15,6 @@ Needs root and a working criu (`make criu`); skips with the reason otherwise.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -88,29 +87,6 @@ WORKER = textwrap.dedent('''
     sys.stdout.flush()
     os._exit(0)  # no process-group destructor at exit (see jitckpt._bootstrap)
 ''')
-
-
-@pytest.fixture(scope="module")
-def criu_bin() -> str:
-    if os.geteuid() != 0:
-        pytest.skip("CRIU needs root")
-    try:
-        path = criu.find_criu()
-        criu.check(path)
-    except criu.CriuError as e:
-        pytest.skip(f"no working CRIU here: {e}")
-    return path
-
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-@pytest.fixture
-def subreaper():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    yield
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def _free_port() -> int:

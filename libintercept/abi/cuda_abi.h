@@ -318,6 +318,17 @@ int jitsimRegisterKernel(const void *func, int nparams, const size_t *param_size
 typedef int (*jitabi_jitsimRegisterKernel_fn)(const void *func, int nparams, const size_t *param_sizes);
 cudaError_t jitsimFuncGetParamInfo(const void *func, size_t index, size_t *offset, size_t *size);
 typedef cudaError_t (*jitabi_jitsimFuncGetParamInfo_fn)(const void *func, size_t index, size_t *offset, size_t *size);
+/* Device loss and replacement (sim/README.md, "New device"). On a GPU the
+ * same steps are the driver's: a context on a new device, and cuMemAddressReserve
+ * at the old addresses + cuMemCreate/cuMemMap for the allocations. */
+cudaError_t jitsimDeviceDetach(void);
+typedef cudaError_t (*jitabi_jitsimDeviceDetach_fn)(void);
+cudaError_t jitsimDeviceReplace(const char *uuid);
+typedef cudaError_t (*jitabi_jitsimDeviceReplace_fn)(const char *uuid);
+cudaError_t jitsimMallocAt(void *devPtr, size_t size);
+typedef cudaError_t (*jitabi_jitsimMallocAt_fn)(void *devPtr, size_t size);
+const char *jitsimDeviceUuid(void);
+typedef const char *(*jitabi_jitsimDeviceUuid_fn)(void);
 
 #ifdef __cplusplus
 }

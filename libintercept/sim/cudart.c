@@ -397,7 +397,10 @@ static cudaError_t launch(const void *func, dim3 grid, dim3 block, void **args, 
   jitsim_stream *s = jitsim_stream_get(stream, pt);
   long n = atomic_fetch_add(&g_launches, 1) + 1;
   long at = jitsim_env_long("JITSIM_STICKY_ERROR_AT", 0);
-  if (at > 0 && n >= at) {
+  /* Once: the fault belongs to this device; a replacement (jitsimDeviceReplace)
+   * does not inherit it. */
+  static _Atomic int fired;
+  if (at > 0 && n >= at && !atomic_exchange(&fired, 1)) {
     if (jitsim_env_long("JITSIM_STICKY_ASYNC", 0)) {
       /* Realistic timing: the launch succeeds, the fault surfaces when the
        * kernel runs, and later calls (syncs, queries) report it. */
@@ -453,3 +456,10 @@ API int jitsimRegisterKernel(const void *func, int nparams, const size_t *param_
 API cudaError_t jitsimFuncGetParamInfo(const void *func, size_t index, size_t *offset, size_t *size) {
   return (cudaError_t)jitsim_kernel_param(func, index, offset, size);
 }
+
+/* The "new device" model (simcore.h): what a GPU swap looks like to a process
+ * whose CPU state moved to another machine. */
+API cudaError_t jitsimDeviceDetach(void) { return (cudaError_t)jitsim_device_detach(); }
+API cudaError_t jitsimDeviceReplace(const char *uuid) { return (cudaError_t)jitsim_device_replace(uuid); }
+API cudaError_t jitsimMallocAt(void *devPtr, size_t size) { return (cudaError_t)jitsim_malloc_at(devPtr, size); }
+API const char *jitsimDeviceUuid(void) { return jitsim_device_uuid(); }

@@ -682,6 +682,7 @@ struct item {
   size_t done;   /* p2p bytes moved so far */
   int hang;      /* fault injection: never contribute */
   int fail;      /* fault injection: fail asynchronously when run */
+  int devfault;  /* fault injection: the device dies while running it (sticky error) */
 };
 
 static uint64_t nchunks(size_t bytes) { return (bytes + CHUNK - 1) / CHUNK; }
@@ -813,6 +814,12 @@ static void batch_run(void *p) {
     struct item *it = &b->items[i];
     if (it->kind == K_SEND || it->kind == K_RECV) continue;
     if (!wait_ready(it->comm) || item_dead(it)) continue;
+    if (it->devfault) {
+      /* Injected device loss inside NCCL's kernel: no contribution (the
+       * peers hang), and the context is dead for every later call. */
+      jitsim_set_sticky(cudaErrorIllegalAddress);
+      continue;
+    }
     if (it->fail) {
       /* Injected asynchronous failure (like a peer's connection dropping):
        * the operation ends without contributing, the stream moves on. */
@@ -955,6 +962,8 @@ static ncclResult_t issue(struct item it) {
     atomic_compare_exchange_strong(&c->async_err, &ok, ncclRemoteError);
     return fail(ncclSystemError, "injected NCCL error at operation %ld (JITSIM_NCCL_ERROR_AT)", nth);
   }
+  long dev_at = jitsim_env_long("JITSIM_STICKY_COLL_AT", 0);
+  it.devfault = dev_at > 0 && nth == dev_at;
   long hang_at = jitsim_env_long("JITSIM_HANG_AT", 0);
   long hang_rank = jitsim_env_long("JITSIM_HANG_RANK", -1);
   it.hang = hang_at > 0 && nth == hang_at && (hang_rank < 0 || hang_rank == c->rank);

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "simcore.h"
@@ -54,11 +55,13 @@ struct jitsim_stream {
   struct op *head, *tail;
   int destroyed;
   int started;
+  unsigned gen;               /* the device generation it was created on */
   struct jitsim_stream *next; /* g_streams, while the worker lives */
 };
 
 struct jitsim_event {
   unsigned flags;
+  unsigned gen;
   struct rec_node *last;
 };
 
@@ -67,6 +70,12 @@ static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static jitsim_stream *g_streams;
 static jitsim_stream g_legacy = {.legacy = 1};
 static _Atomic int g_sticky;
+/* "New device" model: a device replacement bumps the generation; streams and
+ * events of an older one are handles of a context that no longer exists
+ * (cudaErrorInvalidResourceHandle). The legacy and per-thread default
+ * streams belong to whichever context is current. */
+static unsigned g_gen;
+static int g_running; /* work bodies executing right now (they touch device memory) */
 static __thread jitsim_stream *t_ptds;
 static pthread_key_t g_ptds_key;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -119,9 +128,11 @@ static void *worker_main(void *p) {
     while (!atomic_load(&g_sticky) && !op_ready_locked(o)) pthread_cond_wait(&g_cv, &g_mu);
     int dead = atomic_load(&g_sticky) != 0;
     if (o->kind == OP_RUN && !dead) {
+      g_running++;
       pthread_mutex_unlock(&g_mu);
       o->run(o->arg);
       pthread_mutex_lock(&g_mu);
+      g_running--;
     } else if (o->kind == OP_RECORD) {
       o->node->t_ns = jitsim_now_ns();
       o->node->done = 1;
@@ -203,6 +214,7 @@ int jitsim_stream_create(jitsim_stream **out, unsigned flags, int priority) {
   /* CUDA clamps priorities into [greatest, least] = [-5, 0]. */
   s->priority = priority > 0 ? 0 : priority < -5 ? -5 : priority;
   pthread_mutex_lock(&g_mu);
+  s->gen = g_gen;
   int rc = start_worker_locked(s);
   pthread_mutex_unlock(&g_mu);
   if (rc) {
@@ -251,10 +263,14 @@ static int legacy_deps_locked(jitsim_stream *s, struct op *o) {
   return 0;
 }
 
+static int stale_stream_locked(const jitsim_stream *s) {
+  return !s->legacy && !s->per_thread && s->gen != g_gen;
+}
+
 /* Consumes o (and calls its release) on failure. */
 static int enqueue_locked(jitsim_stream *s, struct op *o, uint64_t *seq) {
   int err = atomic_load(&g_sticky);
-  if (!err && s->destroyed) err = cudaErrorInvalidResourceHandle;
+  if (!err && (s->destroyed || stale_stream_locked(s))) err = cudaErrorInvalidResourceHandle;
   if (!err && legacy_deps_locked(s, o)) err = cudaErrorMemoryAllocation;
   if (err) {
     node_put_locked(o->node);
@@ -310,6 +326,10 @@ int jitsim_enqueue_sync(jitsim_stream *s, jitsim_fn run, void *arg, jitsim_fn re
 
 int jitsim_stream_sync(jitsim_stream *s) {
   pthread_mutex_lock(&g_mu);
+  if (stale_stream_locked(s)) {
+    pthread_mutex_unlock(&g_mu);
+    return cudaErrorInvalidResourceHandle;
+  }
   uint64_t target = s->enq;
   while (!atomic_load(&g_sticky) && s->done < target) pthread_cond_wait(&g_cv, &g_mu);
   int rc = atomic_load(&g_sticky);
@@ -321,7 +341,7 @@ int jitsim_stream_query(jitsim_stream *s) {
   int rc = atomic_load(&g_sticky);
   if (rc) return rc;
   pthread_mutex_lock(&g_mu);
-  rc = s->done >= s->enq ? cudaSuccess : cudaErrorNotReady;
+  rc = stale_stream_locked(s) ? cudaErrorInvalidResourceHandle : s->done >= s->enq ? cudaSuccess : cudaErrorNotReady;
   pthread_mutex_unlock(&g_mu);
   return rc;
 }
@@ -361,6 +381,9 @@ int jitsim_event_create(jitsim_event **out, unsigned flags) {
   jitsim_event *e = calloc(1, sizeof *e);
   if (!e) return cudaErrorMemoryAllocation;
   e->flags = flags;
+  pthread_mutex_lock(&g_mu);
+  e->gen = g_gen;
+  pthread_mutex_unlock(&g_mu);
   *out = e;
   return cudaSuccess;
 }
@@ -387,6 +410,12 @@ int jitsim_event_record(jitsim_event *e, jitsim_stream *s) {
   n->refs = 1; /* the op's reference */
   o->node = n;
   pthread_mutex_lock(&g_mu);
+  if (e->gen != g_gen) {
+    pthread_mutex_unlock(&g_mu);
+    free(n);
+    free(o);
+    return cudaErrorInvalidResourceHandle;
+  }
   int rc = enqueue_locked(s, o, NULL);
   if (!rc) {
     n->refs++; /* the event's reference */
@@ -403,7 +432,7 @@ int jitsim_event_query(jitsim_event *e) {
   if (rc) return rc;
   pthread_mutex_lock(&g_mu);
   /* Never recorded counts as complete, as in CUDA. */
-  rc = (!e->last || e->last->done) ? cudaSuccess : cudaErrorNotReady;
+  rc = e->gen != g_gen ? cudaErrorInvalidResourceHandle : (!e->last || e->last->done) ? cudaSuccess : cudaErrorNotReady;
   pthread_mutex_unlock(&g_mu);
   return rc;
 }
@@ -411,6 +440,10 @@ int jitsim_event_query(jitsim_event *e) {
 int jitsim_event_sync(jitsim_event *e) {
   if (!e) return cudaErrorInvalidResourceHandle;
   pthread_mutex_lock(&g_mu);
+  if (e->gen != g_gen) {
+    pthread_mutex_unlock(&g_mu);
+    return cudaErrorInvalidResourceHandle;
+  }
   struct rec_node *n = e->last;
   if (n) n->refs++;
   while (n && !n->done && !atomic_load(&g_sticky)) pthread_cond_wait(&g_cv, &g_mu);
@@ -441,6 +474,7 @@ int jitsim_stream_wait_event(jitsim_stream *s, jitsim_event *e) {
   if (!e) return cudaErrorInvalidResourceHandle;
   pthread_mutex_lock(&g_mu);
   int rc = atomic_load(&g_sticky);
+  if (!rc && e->gen != g_gen) rc = cudaErrorInvalidResourceHandle;
   if (!rc && e->last) {
     struct op *o = calloc(1, sizeof *o);
     if (!o) {
@@ -461,6 +495,7 @@ int jitsim_stream_wait_event(jitsim_stream *s, jitsim_event *e) {
 #define ALLOC_BUCKETS 4096
 struct alloc {
   void *p;
+  size_t n;
   int host;
   struct alloc *next;
 };
@@ -468,6 +503,94 @@ static struct alloc *g_allocs[ALLOC_BUCKETS];
 static pthread_mutex_t g_alloc_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static size_t ptr_bucket(const void *p) { return ((uintptr_t)p >> 8) * 2654435761u % ALLOC_BUCKETS; }
+
+/* Device memory lives in one arena per process, a fixed range of address
+ * space, handed out first-fit at 256-byte granularity (cudaMalloc's
+ * alignment). Why an arena: a replacement device (jitsim_device_replace)
+ * maps a fresh arena at the same base, so "allocations come back at the
+ * device addresses the application holds" is something the shim can ask for
+ * (jitsim_malloc_at), as it would with the driver's VMM calls on a GPU. New
+ * allocations are filled with 0xDB: device memory holds nothing meaningful
+ * until written, and a buffer the recovery forgot to refill shows up. */
+#define ARENA_HINT ((uintptr_t)0x5a0000000000ull)
+#define GRAN 256
+static char *g_arena;
+static size_t g_arena_size;
+static int g_detached;           /* device lost: no arena mapped */
+static char g_uuid[64] = "";
+struct blk {
+  size_t off, n;
+};
+static struct blk *g_blks; /* live device blocks, sorted by offset; under g_alloc_mu */
+static size_t g_nblk, g_capblk;
+
+static int arena_map_locked(void) {
+  if (!g_arena_size) {
+    long mb = jitsim_env_long("JITSIM_DEVICE_MEM_MB", 4096);
+    g_arena_size = (size_t)(mb > 0 ? mb : 4096) << 20;
+  }
+  void *want = g_arena ? (void *)g_arena : (void *)ARENA_HINT;
+  void *m = mmap(want, g_arena_size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (m == MAP_FAILED && !g_arena) /* the hint is taken in this process: anywhere */
+    m = mmap(NULL, g_arena_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return cudaErrorMemoryAllocation;
+  if (g_arena && m != g_arena) { /* a kernel without MAP_FIXED_NOREPLACE treats it as a hint */
+    munmap(m, g_arena_size);
+    return cudaErrorMemoryAllocation;
+  }
+  g_arena = m;
+  if (!g_uuid[0]) {
+    const char *u = getenv("JITSIM_DEVICE_UUID");
+    snprintf(g_uuid, sizeof g_uuid, "%s", u && *u ? u : "GPU-sim-0");
+  }
+  return cudaSuccess;
+}
+
+static int blk_insert_locked(size_t at, size_t off, size_t n) {
+  if (g_nblk == g_capblk) {
+    size_t nc = g_capblk ? 2 * g_capblk : 64;
+    struct blk *nb = realloc(g_blks, nc * sizeof *nb);
+    if (!nb) return -1;
+    g_blks = nb, g_capblk = nc;
+  }
+  memmove(&g_blks[at + 1], &g_blks[at], (g_nblk - at) * sizeof *g_blks);
+  g_blks[at] = (struct blk){off, n};
+  g_nblk++;
+  return 0;
+}
+
+/* First fit; returns the offset or (size_t)-1. */
+static size_t arena_alloc_locked(size_t n) {
+  if (!g_arena && arena_map_locked() != cudaSuccess) return (size_t)-1;
+  n = (n + GRAN - 1) / GRAN * GRAN;
+  size_t prev_end = 0;
+  for (size_t i = 0; i <= g_nblk; i++) {
+    size_t next = i < g_nblk ? g_blks[i].off : g_arena_size;
+    if (next - prev_end >= n) return blk_insert_locked(i, prev_end, n) ? (size_t)-1 : prev_end;
+    if (i < g_nblk) prev_end = g_blks[i].off + g_blks[i].n;
+  }
+  return (size_t)-1;
+}
+
+static int arena_free_locked(size_t off) {
+  size_t lo = 0, hi = g_nblk;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (g_blks[mid].off < off) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == g_nblk || g_blks[lo].off != off) return -1;
+  memmove(&g_blks[lo], &g_blks[lo + 1], (g_nblk - lo - 1) * sizeof *g_blks);
+  g_nblk--;
+  return 0;
+}
+
+static void track_locked(struct alloc *a) {
+  size_t b = ptr_bucket(a->p);
+  a->next = g_allocs[b];
+  g_allocs[b] = a;
+}
 
 int jitsim_malloc(void **p, size_t n, int host) {
   if (!p) return cudaErrorInvalidValue;
@@ -479,19 +602,50 @@ int jitsim_malloc(void **p, size_t n, int host) {
   }
   void *m = NULL;
   struct alloc *a = malloc(sizeof *a);
-  /* 256-byte alignment, the guarantee cudaMalloc gives. */
-  if (!a || posix_memalign(&m, 256, n)) {
+  if (!a) return cudaErrorMemoryAllocation;
+  pthread_mutex_lock(&g_alloc_mu);
+  if (host) {
+    if (posix_memalign(&m, GRAN, n)) m = NULL;
+  } else if (!g_detached) {
+    size_t off = arena_alloc_locked(n);
+    if (off != (size_t)-1) m = g_arena + off;
+  }
+  if (!m) {
+    pthread_mutex_unlock(&g_alloc_mu);
     free(a);
     return cudaErrorMemoryAllocation;
   }
-  a->p = m;
-  a->host = host;
-  pthread_mutex_lock(&g_alloc_mu);
-  size_t b = ptr_bucket(m);
-  a->next = g_allocs[b];
-  g_allocs[b] = a;
+  a->p = m, a->n = n, a->host = host;
+  track_locked(a);
   pthread_mutex_unlock(&g_alloc_mu);
+  if (!host) memset(m, 0xDB, n);
   *p = m;
+  return cudaSuccess;
+}
+
+int jitsim_malloc_at(void *p, size_t n) {
+  int rc = atomic_load(&g_sticky);
+  if (rc) return rc;
+  if (!p || !n || (uintptr_t)p % GRAN) return cudaErrorInvalidValue;
+  struct alloc *a = malloc(sizeof *a);
+  if (!a) return cudaErrorMemoryAllocation;
+  pthread_mutex_lock(&g_alloc_mu);
+  rc = cudaErrorMemoryAllocation;
+  if (!g_detached && (g_arena || arena_map_locked() == cudaSuccess) && (char *)p >= g_arena &&
+      (size_t)((char *)p - g_arena) + n <= g_arena_size) {
+    size_t off = (size_t)((char *)p - g_arena), rn = (n + GRAN - 1) / GRAN * GRAN, i = 0;
+    while (i < g_nblk && g_blks[i].off + g_blks[i].n <= off) i++;
+    if ((i == g_nblk || g_blks[i].off >= off + rn) && !blk_insert_locked(i, off, rn)) rc = cudaSuccess;
+  }
+  if (rc) {
+    pthread_mutex_unlock(&g_alloc_mu);
+    free(a);
+    return rc;
+  }
+  a->p = p, a->n = n, a->host = 0;
+  track_locked(a);
+  pthread_mutex_unlock(&g_alloc_mu);
+  memset(p, 0xDB, n);
   return cudaSuccess;
 }
 
@@ -507,11 +661,81 @@ int jitsim_free(void *p, int host) {
       *pp = found->next;
       break;
     }
+  if (found && !host) arena_free_locked((size_t)((char *)p - g_arena));
   pthread_mutex_unlock(&g_alloc_mu);
   if (!found) return cudaErrorInvalidValue;
   free(found);
-  free(p);
+  if (host) free(p);
   return cudaSuccess;
+}
+
+/* ---- device loss and replacement ---- */
+
+static void drop_device_memory_locked(void) {
+  for (size_t b = 0; b < ALLOC_BUCKETS; b++)
+    for (struct alloc **pp = &g_allocs[b]; *pp;) {
+      if ((*pp)->host) {
+        pp = &(*pp)->next;
+        continue;
+      }
+      struct alloc *dead = *pp;
+      *pp = dead->next;
+      free(dead);
+    }
+  g_nblk = 0;
+  if (g_arena) munmap(g_arena, g_arena_size);
+}
+
+int jitsim_device_detach(void) {
+  pthread_once(&g_once, core_init);
+  pthread_mutex_lock(&g_mu);
+  /* The device is gone: from now on every call reports it, no queued body runs. */
+  int zero = 0;
+  atomic_compare_exchange_strong(&g_sticky, &zero, cudaErrorIllegalAddress);
+  pthread_cond_broadcast(&g_cv);
+  while (g_running > 0) pthread_cond_wait(&g_cv, &g_mu);
+  pthread_mutex_unlock(&g_mu);
+  pthread_mutex_lock(&g_alloc_mu);
+  if (!g_detached) drop_device_memory_locked();
+  g_detached = 1;
+  pthread_mutex_unlock(&g_alloc_mu);
+  return cudaSuccess;
+}
+
+int jitsim_device_replace(const char *uuid) {
+  if (!uuid || !*uuid || strlen(uuid) >= sizeof g_uuid) return cudaErrorInvalidValue;
+  int rc = jitsim_device_detach(); /* idempotent */
+  if (rc) return rc;
+  pthread_mutex_lock(&g_mu);
+  /* Work queued on the lost device is skipped by the workers: let it drain. */
+  for (;;) {
+    int busy = g_legacy.head != NULL;
+    for (jitsim_stream *t = g_streams; t && !busy; t = t->next) busy = t->head != NULL;
+    if (!busy) break;
+    pthread_cond_wait(&g_cv, &g_mu);
+  }
+  pthread_mutex_lock(&g_alloc_mu);
+  rc = g_arena ? arena_map_locked() : cudaSuccess;
+  if (!rc) {
+    g_detached = 0;
+    snprintf(g_uuid, sizeof g_uuid, "%s", uuid);
+    g_gen++;
+    atomic_store(&g_sticky, 0);
+  }
+  pthread_mutex_unlock(&g_alloc_mu);
+  pthread_cond_broadcast(&g_cv);
+  pthread_mutex_unlock(&g_mu);
+  return rc;
+}
+
+const char *jitsim_device_uuid(void) {
+  pthread_mutex_lock(&g_alloc_mu);
+  if (!g_uuid[0]) {
+    const char *u = getenv("JITSIM_DEVICE_UUID");
+    snprintf(g_uuid, sizeof g_uuid, "%s", u && *u ? u : "GPU-sim-0");
+  }
+  pthread_mutex_unlock(&g_alloc_mu);
+  return g_uuid;
 }
 
 /* ---- kernels ---- */

@@ -56,6 +56,18 @@ JITSIM_API int jitsim_stream_wait_event(jitsim_stream *s, jitsim_event *e);
 
 JITSIM_API int jitsim_malloc(void **p, size_t n, int host);
 JITSIM_API int jitsim_free(void *p, int host);
+/* Device memory at a given address of the arena (the replacement device's
+ * allocations must come back where the application's pointers point). */
+JITSIM_API int jitsim_malloc_at(void *p, size_t n);
+
+/* "New device" model. detach: the device is lost (sticky error from now on),
+ * its memory unmapped (a CRIU dump then carries none of it). replace: a fresh
+ * device with identity `uuid` takes its place: no old allocation survives,
+ * the arena is mapped again at the same base, the sticky error is cleared, and
+ * streams/events created before are invalid (re-create them). */
+JITSIM_API int jitsim_device_detach(void);
+JITSIM_API int jitsim_device_replace(const char *uuid);
+JITSIM_API const char *jitsim_device_uuid(void);
 
 /* Sticky context error (cudaErrorIllegalAddress after an injected fault).
  * jitsim_sticky() returns 0 while the context is healthy. */

@@ -27,7 +27,7 @@ JI_TABLE(JI_PROTO_)
   (ji_tls_depth++, __extension__({                                     \
      cudaError_t r_ = (expr);                                          \
      ji_tls_depth--;                                                   \
-     if (JI_UNLIKELY(r_ >= 700) && ji_rcv_mode) ji_rcv_cuda_error(r_); \
+     if (JI_UNLIKELY(r_ >= 700) && ji_rcv_mode) r_ = (cudaError_t)ji_rcv_cuda_error(r_); \
      r_;                                                               \
    }))
 
@@ -326,7 +326,7 @@ JI_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
   cudaError_t r = CALL(fn(devPtr, size));
   ji_park_exit();
   if (r == cudaSuccess && devPtr) {
-    ji_alloc_track(*devPtr, size);
+    ji_alloc_track(*devPtr, size, ji_callsite());
     uint64_t w[2] = {U(*devPtr), size};
     log_words(JI_ID_cudaMalloc, 2, w);
   }
@@ -393,6 +393,7 @@ static cudaError_t mc_sync(int id, void *dst, const void *src, size_t count, enu
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(dst, src, count, kind);
   ji_count(id);
+  if (JI_DISCARDED()) return cudaSuccess;
   if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
     cudaError_t r = memcpy_redirect(dst, src, count, kind);
     if (r != cudaErrorNotReady) return r;
@@ -424,6 +425,7 @@ static cudaError_t mc_async(int id, void *dst, const void *src, size_t count, en
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(dst, src, count, kind, stream);
   ji_count(id);
+  if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
   if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
     cudaError_t r = memcpy_redirect(dst, src, count, kind);
@@ -490,6 +492,7 @@ static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, d
              : ((ji_fn_cudaLaunchKernel)fn)(f, g, b, args, shm, s))
   if (JI_UNLIKELY(ji_tls_depth)) return LCALL(stream);
   ji_count(id);
+  if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
   cudaError_t r = CALL(LCALL(ps));
@@ -633,6 +636,7 @@ static cudaError_t ms_sync(int id, void *p, int value, size_t count) {
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(p, value, count);
   ji_count(id);
+  if (JI_DISCARDED()) return cudaSuccess;
   ji_park_enter();
   cudaError_t r = CALL(fn(p, value, count));
   ji_park_exit();
@@ -652,6 +656,7 @@ static cudaError_t ms_async(int id, void *p, int value, size_t count, cudaStream
   if (!fn) return NO_LIB;
   if (ji_tls_depth) return fn(p, value, count, stream);
   ji_count(id);
+  if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
   cudaError_t r = CALL(fn(p, value, count, ps));

@@ -50,8 +50,13 @@ JI_HIDDEN ji_cblock *ji_cblock_new(void);
  * its depth check; one relaxed load unless a recovery is running. */
 extern _Atomic int ji_rcv_active;
 JI_HIDDEN void ji_rcv_gate(void);
+/* Set by a hook's failed call after a lost-device recovery in replay mode: the
+ * record the hook logs next is executed at its commit (shim_replay.c). */
+extern JI_TLS int ji_tls_reissue;
+JI_HIDDEN __attribute__((noreturn)) void ji_rcv_reissue_failed(int status);
 static inline void ji_count(int id) {
   if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
+  if (JI_UNLIKELY(ji_tls_reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
   ji_cblock *b = ji_tls_cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;
@@ -183,7 +188,11 @@ JI_HIDDEN void ji_log_commit(ji_rec *r);
 static inline unsigned char *ji_rec_blob(ji_rec *r) { return (unsigned char *)&r->a[r->nargs]; }
 JI_HIDDEN void ji_log_mark_incomplete(void);
 JI_HIDDEN int ji_is_device_ptr(const void *p);
-JI_HIDDEN void ji_alloc_track(void *p, size_t n);
+JI_HIDDEN void ji_alloc_track(void *p, size_t n, uint64_t site);
+/* A live device allocation's name across ranks (site, seq, n) and its address here. */
+typedef struct { uint64_t site; uint32_t seq; size_t n; void *p; } ji_alloc_key;
+/* Every live allocation, sorted by name; *out is malloc'ed (caller frees). */
+JI_HIDDEN size_t ji_alloc_keys(ji_alloc_key **out);
 JI_HIDDEN void ji_alloc_untrack(void *p);
 /* Kernel parameter layout: number of params (or -1) and their sizes/offsets. */
 JI_HIDDEN int ji_kernel_params(const void *func, int is_kernel_handle, size_t *offs, size_t *sizes, int max);
@@ -202,11 +211,17 @@ extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
 extern _Atomic unsigned ji_rcv_gen;
 extern _Atomic int ji_open_groups;
 extern _Atomic int ji_opt_phase, ji_opt_in_mb;
-static inline unsigned ji_rcv_begin(void) { return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed); }
+/* Set between ji_rcv_begin and ji_rcv_after_block: a blocking hook redoes a
+ * call that met a lost device itself (no re-issue from the log). */
+extern JI_TLS int ji_tls_in_block;
+static inline unsigned ji_rcv_begin(void) {
+  ji_tls_in_block = 1;
+  return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
+}
 JI_HIDDEN int ji_rcv_run(const ji_fault *f, int failed_in_group);
 JI_HIDDEN int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl);
 JI_HIDDEN int ji_rcv_nccl_error(int id, int rc);
-JI_HIDDEN void ji_rcv_cuda_error(int rc);
+JI_HIDDEN int ji_rcv_cuda_error(int rc);
 JI_HIDDEN void ji_rcv_poll_store(void);
 JI_HIDDEN void ji_rcv_quiesce(void);
 JI_HIDDEN int ji_rcv_drain(double deadline);
@@ -232,5 +247,19 @@ JI_HIDDEN void ji_log_mark_synced(void);
 JI_HIDDEN int ji_replay_run(uint64_t end, int *nrec, double deadline);
 JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
 JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
+/* lost-device recovery (shim_device.c) */
+extern int ji_dev_mode;
+extern _Atomic int ji_dev_lost;
+extern _Atomic int ji_discard;
+JI_HIDDEN uint64_t ji_callsite(void);
+/* After a device lost in the optimizer step: the step's remaining device work
+ * is dropped (the replica's post-update state was taken instead). */
+#define JI_DISCARDED() JI_UNLIKELY(atomic_load_explicit(&ji_discard, memory_order_relaxed))
+JI_HIDDEN const char *ji_dev_precheck(void);
+JI_HIDDEN uint64_t ji_dev_digest(void);
+JI_HIDDEN const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s);
+JI_HIDDEN const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nlost, double deadline);
+JI_HIDDEN void ji_store_close(void);
+JI_HIDDEN void ji_wd_device_replaced(void);
 
 #endif

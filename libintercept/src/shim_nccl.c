@@ -211,6 +211,7 @@ static void coll_done(int id, ncclComm_t comm, cudaStream_t stream, const uint64
   if (!fn) return NO_LIB;                         \
   if (ji_tls_depth) return fn(__VA_ARGS__);       \
   COUNT(name);                                    \
+  if (JI_DISCARDED()) return ncclSuccess;         \
   NXLATE(pc, comm);                               \
   NXLATE(ps, stream)
 

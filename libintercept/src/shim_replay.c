@@ -81,9 +81,15 @@ ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
   return r;
 }
 
+static void reissue(ji_rec *r);
+
 void ji_log_commit(ji_rec *r) {
   size_t sz = (sizeof(ji_rec) + (size_t)r->nargs * 8 + r->blob_len + 7) & ~(size_t)7;
   atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)sz, memory_order_release);
+  if (JI_UNLIKELY(ji_tls_reissue)) { /* this call failed with the lost device: do it now, on the new one */
+    ji_tls_reissue = 0;
+    reissue(r);
+  }
 }
 
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
@@ -103,6 +109,7 @@ JI_API void jitintercept_minibatch_begin(void) {
   atomic_store(&log_incomplete, 0);
   atomic_store(&log_synced, 0);
   atomic_store(&ji_opt_in_mb, 0);
+  atomic_store(&ji_discard, 0); /* a lost-device recovery's skip ends here */
 }
 
 uint64_t ji_log_tail_now(void) {
@@ -184,13 +191,20 @@ JI_API int jitintercept_dump_replay_log(const char *path) {
 }
 
 /* ---------------- device allocation registry ----------------
- * Needed only to classify cudaMemcpyDefault pointers (is the source host
- * memory whose bytes must be captured?). Sorted array under a mutex: malloc /
- * free and Default-kind copies are not on the hot path. */
-struct alloc { uintptr_t p; size_t n; };
+ * Classifies cudaMemcpyDefault pointers (is the source host memory whose
+ * bytes must be captured?) and names every live allocation the same way on
+ * every data-parallel rank (paper §4.3): a hash of the allocating call stack,
+ * a sequence number among allocations from that stack and of that size, and
+ * the size. A rank whose device was replaced re-allocates each at its old
+ * address and fills it from the replica's allocation with the same name
+ * (shim_device.c). Sorted array under a mutex: malloc / free and
+ * Default-kind copies are not on the hot path. */
+struct alloc { uintptr_t p; size_t n; uint64_t site; uint32_t seq; };
 static struct alloc *allocs;
 static size_t nallocs, capallocs;
 static pthread_mutex_t alloc_mu = PTHREAD_MUTEX_INITIALIZER;
+#define SITE_SLOTS 4096
+static struct { uint64_t site; size_t n; uint32_t count; } site_seq[SITE_SLOTS];
 
 static size_t alloc_lb(uintptr_t p) { /* first index with allocs[i].p > p */
   size_t lo = 0, hi = nallocs;
@@ -202,7 +216,19 @@ static size_t alloc_lb(uintptr_t p) { /* first index with allocs[i].p > p */
   return lo;
 }
 
-void ji_alloc_track(void *ptr, size_t n) {
+/* Caller holds alloc_mu. The count never goes down: a freed and re-made
+ * buffer gets a new name on every rank alike. */
+static uint32_t next_seq_locked(uint64_t site, size_t n) {
+  size_t h = (size_t)((site ^ (n * 0x9E3779B97F4A7C15ull)) % SITE_SLOTS);
+  for (size_t i = 0; i < SITE_SLOTS; i++, h = (h + 1) % SITE_SLOTS) {
+    if (site_seq[h].count && (site_seq[h].site != site || site_seq[h].n != n)) continue;
+    site_seq[h].site = site, site_seq[h].n = n;
+    return site_seq[h].count++;
+  }
+  return UINT32_MAX; /* table full: such buffers cannot be matched (never refilled) */
+}
+
+void ji_alloc_track(void *ptr, size_t n, uint64_t site) {
   pthread_mutex_lock(&alloc_mu);
   if (nallocs == capallocs) {
     size_t nc = capallocs ? capallocs * 2 : 256;
@@ -215,8 +241,7 @@ void ji_alloc_track(void *ptr, size_t n) {
   }
   size_t i = alloc_lb((uintptr_t)ptr);
   memmove(&allocs[i + 1], &allocs[i], (nallocs - i) * sizeof *allocs);
-  allocs[i].p = (uintptr_t)ptr;
-  allocs[i].n = n;
+  allocs[i] = (struct alloc){(uintptr_t)ptr, n, site, next_seq_locked(site, n)};
   nallocs++;
   pthread_mutex_unlock(&alloc_mu);
 }
@@ -229,6 +254,24 @@ void ji_alloc_untrack(void *ptr) {
     nallocs--;
   }
   pthread_mutex_unlock(&alloc_mu);
+}
+
+static int key_cmp(const void *a, const void *b) {
+  const ji_alloc_key *x = a, *y = b;
+  if (x->site != y->site) return x->site < y->site ? -1 : 1;
+  if (x->seq != y->seq) return x->seq < y->seq ? -1 : 1;
+  return x->n < y->n ? -1 : x->n > y->n;
+}
+
+size_t ji_alloc_keys(ji_alloc_key **out) {
+  pthread_mutex_lock(&alloc_mu);
+  ji_alloc_key *k = malloc((nallocs ? nallocs : 1) * sizeof *k);
+  size_t n = k ? nallocs : 0;
+  for (size_t i = 0; i < n; i++) k[i] = (ji_alloc_key){allocs[i].site, allocs[i].seq, allocs[i].n, (void *)allocs[i].p};
+  pthread_mutex_unlock(&alloc_mu);
+  if (k) qsort(k, n, sizeof *k, key_cmp);
+  *out = k;
+  return n;
 }
 
 /* Memory the registry does not know (allocated before the shim, by
@@ -398,13 +441,15 @@ JI_API int jitintercept_replay(void) { return ji_replay_run(UINT64_MAX, NULL, 0)
  * until the deadline (-3 when it passes: a second fault). D2H copies logged
  * after the last completed blocking call go to their real destination (the
  * application has not seen those bytes yet); earlier ones to scratch. */
-int ji_replay_run(uint64_t end, int *nrec, double deadline) {
+/* reissue: one record whose call failed with the lost device, executed now
+ * as the call itself would have been (no wait; to-host copies land where the
+ * application will read them). */
+static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, int reissue) {
   if (!atomic_load(&ji_log_armed) || atomic_load(&log_overflow) || atomic_load(&log_incomplete)) return -1;
-  uint64_t synced = deadline > 0 ? atomic_load(&log_synced) : UINT64_MAX;
+  uint64_t synced = reissue ? 0 : deadline > 0 ? atomic_load(&log_synced) : UINT64_MAX;
   int status = 0, count = 0;
   void **scratch = NULL;
   size_t nscratch = 0;
-  uint64_t off = 0;
   ji_rec *r;
   /* Runtime callbacks into hooked symbols during replay must not be logged. */
   ji_tls_depth++;
@@ -553,7 +598,9 @@ int ji_replay_run(uint64_t end, int *nrec, double deadline) {
         break;
     }
   }
-  if (deadline > 0) {
+  if (reissue) {
+    /* asynchronous, like the original call */
+  } else if (deadline > 0) {
     ji_tls_depth--;
     int d = ji_rcv_drain(deadline);
     ji_tls_depth++;
@@ -567,4 +614,15 @@ int ji_replay_run(uint64_t end, int *nrec, double deadline) {
   for (size_t i = 0; i < nscratch; i++) free(scratch[i]);
   free(scratch);
   return status;
+}
+
+int ji_replay_run(uint64_t end, int *nrec, double deadline) { return replay_range(0, end, nrec, deadline, 0); }
+
+JI_TLS int ji_tls_reissue;
+
+static void reissue(ji_rec *r) {
+  uint64_t off = (uint64_t)((unsigned char *)r - log_base);
+  int n = 0;
+  int st = replay_range(off, off + r->size, &n, 0, 1);
+  if (st || n != 1) ji_rcv_reissue_failed(st ? st : -1);
 }

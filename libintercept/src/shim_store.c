@@ -199,3 +199,12 @@ void ji_store_atfork_child(void) {
   pthread_mutex_init(&st_mu, NULL);
   st_fd = -1;
 }
+
+/* Before a CRIU dump of this process: no socket may cross to another node
+ * (the next request reconnects, from wherever the process then runs). */
+void ji_store_close(void) {
+  pthread_mutex_lock(&st_mu);
+  if (st_fd >= 0) close(st_fd);
+  st_fd = -1;
+  pthread_mutex_unlock(&st_mu);
+}

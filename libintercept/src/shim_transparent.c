@@ -296,6 +296,63 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
   return 0;
 }
 
+/* ---------------- lost devices (shim_device.c) ---------------- */
+struct dev_pos {
+  uint64_t minibatch, in_opt, digest;
+};
+
+/* Every rank reads the same keys and so decides alike (a fallback is then
+ * everybody's). 0 lost ranks: nothing to do. */
+static const char *dev_decide(int epoch, int world, int me, int *lost, int *nlost, int *donor, int *skip) {
+  static char msg[200];
+  char k[300];
+  struct dev_pos pos[256];
+  int is_lost[256] = {0};
+  if (world > 256) return "more than 256 ranks: lost-device recovery not supported";
+  *nlost = 0;
+  for (int r = 0; r < world; r++) {
+    key(k, sizeof k, "lost", epoch, r);
+    int c = ji_store_check(k, 5.0);
+    if (c < 0) return "the store is unreachable";
+    if (c == 1) is_lost[r] = 1, lost[(*nlost)++] = r;
+  }
+  if (!*nlost) return NULL;
+  for (int r = 0; r < world; r++) {
+    key(k, sizeof k, "pos", epoch, r);
+    if (ji_store_get(k, &pos[r], sizeof pos[r], 5.0)) return "the store is unreachable";
+  }
+  *donor = -1;
+  for (int r = 0; r < world && *donor < 0; r++)
+    if (!is_lost[r]) *donor = r;
+  if (*donor < 0) return "every rank lost its device: no replica to refill from";
+  const struct dev_pos *d = &pos[*donor];
+  for (int r = 0; r < world; r++) {
+    if (is_lost[r]) continue;
+    if (pos[r].minibatch != d->minibatch || pos[r].in_opt || pos[r].digest != d->digest) {
+      snprintf(msg, sizeof msg, "lost device: healthy ranks %d and %d are not at the same minibatch boundary", *donor, r);
+      return msg;
+    }
+  }
+  for (int j = 0; j < *nlost; j++) {
+    const struct dev_pos *l = &pos[lost[j]];
+    if (l->digest != d->digest) {
+      snprintf(msg, sizeof msg, "lost device: rank %d's device allocations do not match replica %d's", lost[j], *donor);
+      return msg;
+    }
+    int ok = l->in_opt ? l->minibatch + 1 == d->minibatch : l->minibatch == d->minibatch;
+    if (!ok) {
+      snprintf(msg, sizeof msg,
+               "lost device: rank %d faulted %s minibatch %llu while the replicas wait in minibatch %llu: no replica "
+               "holds a state it can continue from",
+               lost[j], l->in_opt ? "in the optimizer step of" : "in", (unsigned long long)l->minibatch,
+               (unsigned long long)d->minibatch);
+      return msg;
+    }
+    if (lost[j] == me) *skip = (int)l->in_opt;
+  }
+  return NULL;
+}
+
 /* ---------------- the recovery ---------------- */
 /* Another thread holds `busy`: wait until its gate is up, then until it
  * is down (a fallback never comes back: the process exits). */
@@ -334,8 +391,19 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   struct comms cs = {.n = 0};
   ji_vh_foreach(JI_VK_COMM, collect_comm, &cs);
   if (!cs.n) ji_vh_foreach_all(JI_VK_COMM, collect_comm_any, &cs);
+  int sticky = sticky_cuda(f->code) && !strcmp(f->kind, "cuda_error");
+  int lost = ji_dev_mode && (sticky || atomic_load(&ji_dev_lost));
+  int in_opt = atomic_load(&ji_opt_phase) || atomic_load(&ji_opt_in_mb);
+  if (lost) atomic_store(&ji_dev_lost, 1);
   if (!ji_store_available()) why = "no store: MASTER_ADDR/MASTER_PORT not set";
-  else if (sticky_cuda(f->code) && !strcmp(f->kind, "cuda_error")) why = "sticky CUDA error: the device context is unusable";
+  else if (lost) {
+    /* In the optimizer phase the replicas' post-update state is taken instead
+     * of a replay (decided with them after the join). */
+    if ((why = ji_dev_precheck())) { /* why set */ }
+    else if (!atomic_load(&opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
+      why = "no optimizer phase marks (jitintercept_optimizer_begin/end): cannot tell whether parameters were updated";
+    else if (!in_opt && !ji_log_replayable(&why)) { /* why set */ }
+  } else if (sticky) why = "sticky CUDA error: the device context is unusable";
   else if (atomic_load(&ji_opt_phase)) why = "fault in the optimizer phase (parameters may be partly updated)";
   else if (atomic_load(&ji_opt_in_mb)) why = "fault after the optimizer step of this minibatch began";
   else if (!atomic_load(&opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
@@ -366,7 +434,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
     ji_tls_depth--;
   }
   ji_wd_reset();
-  if (!why) {
+  if (!why && !lost) {
     int d = ji_rcv_drain(deadline);
     if (d > 0) why = "sticky CUDA error while draining the streams";
     else if (d < 0) why = "the streams did not drain after the abort";
@@ -377,15 +445,40 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   if (!ji_store_available()) fallback(&ri, why);
   char k[300];
   int world = env_int("WORLD_SIZE", cs.n ? cs.v[0]->comm->nranks : 1);
+  /* The communicator spanning every rank carries a refill. */
+  int wc = -1;
+  for (int i = 0; i < cs.n && wc < 0; i++)
+    if (cs.v[i]->comm->nranks == world) wc = i;
+  int me = wc >= 0 ? cs.v[wc]->comm->rank : env_int("RANK", -1);
   key(k, sizeof k, "start", epoch, -1);
   int st = ji_store_add(k, 1, NULL, 5.0);
   key(k, sizeof k, "bad", epoch, -1);
   st |= ji_store_add(k, why ? 1 : 0, NULL, 5.0);
+  if (ji_dev_mode && !why) {
+    /* Where this rank stands, for the lost-device decision after the join. */
+    struct dev_pos pos = {jitintercept_minibatch(), (uint64_t)in_opt, ji_dev_digest()};
+    key(k, sizeof k, "pos", epoch, me);
+    st |= ji_store_set(k, &pos, sizeof pos, 5.0);
+    if (lost) {
+      key(k, sizeof k, "lost", epoch, me);
+      st |= ji_store_set(k, "1", 1, 5.0);
+    }
+  }
+  if (st) fallback(&ri, "the store is unreachable");
+  if (why) { /* joined too: the others see bad/E as soon as everybody is in */
+    key(k, sizeof k, "join", epoch, -1);
+    ji_store_add(k, 1, NULL, 5.0);
+    fallback(&ri, why);
+  }
+  if (lost) {
+    const char *w = ji_dev_park_and_replace(me, epoch, cfg_bound);
+    if (w) fallback(&ri, w);
+    atomic_store(&ji_dev_lost, 0);
+    deadline = ji_now() + cfg_bound; /* the process may have moved: a new clock */
+  }
   key(k, sizeof k, "join", epoch, -1);
   int64_t joined = 0;
-  st |= ji_store_add(k, 1, &joined, 5.0);
-  if (st) fallback(&ri, "the store is unreachable");
-  if (why) fallback(&ri, why);
+  if (ji_store_add(k, 1, &joined, 5.0)) fallback(&ri, "the store is unreachable");
   while (joined < world && ji_now() < deadline) {
     usleep(2000);
     if (ji_store_add(k, 0, &joined, 5.0)) fallback(&ri, "the store is unreachable");
@@ -406,11 +499,22 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   int rc = jitintercept_recreate_handles(0);
   if (rc < 0) fallback(&ri, "re-creating streams/events failed");
   if (reinit_comms(&cs, epoch, deadline, &why)) fallback(&ri, why);
+  int skip = 0;
+  if (ji_dev_mode) {
+    int lost_ranks[256], nlost = 0, donor = -1;
+    if ((why = dev_decide(epoch, world, me, lost_ranks, &nlost, &donor, &skip))) fallback(&ri, why);
+    if (nlost && wc < 0) fallback(&ri, "refill: no communicator spans every rank");
+    if (nlost && (why = ji_dev_refill(atomic_load(&cs.v[wc]->phys), me, donor, lost_ranks, nlost, deadline)))
+      fallback(&ri, why);
+  }
   ri.t_reinit = ji_now();
 
-  /* Replay the minibatch up to the fault; wait (bounded) for it. */
+  /* Replay the minibatch up to the fault; wait (bounded) for it. Or, for a
+   * device lost in the optimizer step, take the replicas' post-update state
+   * and drop this step's remaining device calls. */
   int nrec = 0;
-  rc = ji_replay_run(end, &nrec, deadline);
+  if (skip) atomic_store(&ji_discard, 1);
+  rc = skip ? 0 : ji_replay_run(end, &nrec, deadline);
   ri.replayed = nrec;
   if (rc == -3) fallback(&ri, "second fault: the replay did not complete within the bound");
   if (rc) {
@@ -437,6 +541,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
 /* After a blocking call: 1 = the call must be redone (a recovery happened
  * meanwhile, or this call's result revealed a fault that was recovered). */
 int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
+  ji_tls_in_block = 0;
   if (tls_coord) return 0;
   if (atomic_load(&ji_rcv_gen) != gen || atomic_load(&ji_rcv_active)) {
     ji_park_enter();
@@ -461,11 +566,45 @@ int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
   return 0;
 }
 
-/* A CUDA call returned an error >= 700 (any hook, through CALL). */
-void ji_rcv_cuda_error(int rc) {
-  if (tls_coord || !sticky_cuda(rc)) return;
+JI_TLS int ji_tls_in_block;
+
+/* A CUDA call returned an error >= 700 (any hook, through CALL); what the hook
+ * returns instead. Without a device swap a sticky error falls back (never
+ * returns). With one, after the recovery (run here, or by another thread
+ * meanwhile) the failed call is dropped (the step's remaining calls are, see
+ * ji_discard) or re-issued: a blocking hook redoes it itself, any other is
+ * executed from its log record when the hook logs it (ji_tls_reissue). */
+int ji_rcv_cuda_error(int rc) {
+  if (tls_coord || !sticky_cuda(rc)) return rc;
   ji_fault f = {.kind = "cuda_error", .source = "call", .code = rc, .coll = -1};
-  ji_rcv_run(&f, 0);
+  if (!ji_dev_mode) {
+    ji_rcv_run(&f, 0);
+    return rc;
+  }
+  /* Another thread may have swapped the device since this call failed: then
+   * the private stream (re-made on the new device) answers without error. */
+  ji_fn_cudaStreamQuery q = REAL(cudaStreamQuery);
+  cudaStream_t ps = ji_private_stream();
+  int swapped = 0;
+  if (q && ps && !atomic_load(&ji_dev_lost)) {
+    ji_tls_depth++;
+    swapped = !sticky_cuda(q(ps));
+    ji_tls_depth--;
+  }
+  while (!swapped && ji_rcv_run(&f, 0) == -2) { /* another thread is inside an NCCL group: retried */
+  }
+  if (atomic_load(&ji_discard)) return cudaSuccess;
+  if (!ji_tls_in_block) ji_tls_reissue = 1;
+  return cudaSuccess;
+}
+
+void ji_rcv_reissue_failed(int status) {
+  ji_fault f = {.kind = "cuda_error", .source = "reissue", .code = status, .coll = -1};
+  struct rec_info ri = {.f = &f, .t0 = ji_now(), .epoch = local_epoch};
+  static char msg[160];
+  if (status == -2) snprintf(msg, sizeof msg, "the call that met the lost device was not logged, so it cannot be re-issued");
+  else snprintf(msg, sizeof msg, "re-issuing the call that met the lost device failed (status %d)", status);
+  fallback(&ri, msg);
 }
 
 /* A collective/group call returned an NCCL error on this thread. 1 = retry it. */
@@ -497,6 +636,11 @@ static void check_store(int force) {
   key(k, sizeof k, "start", local_epoch + 1, -1);
   if (ji_store_check(k, 2.0) == 1) {
     if (atomic_load(&ji_open_groups) > 0) return; /* retried next poll */
+    /* A peer lost its device in the optimizer step this rank is finishing:
+     * join from the next minibatch's collective, with the update done (the
+     * state the lost rank takes over). A collective of this step that really
+     * hangs still times out here and falls back. */
+    if (!force && ji_dev_mode && atomic_load(&ji_opt_in_mb)) return;
     ji_fault f = {.kind = "peer", .source = "store", .code = 0, .coll = -1};
     ji_rcv_run(&f, 0);
   }

@@ -101,6 +101,10 @@ __attribute__((constructor)) static void vh_mode_init(void) {
    * then (nothing outside the hooked NCCL API needs the raw handle). */
   const char *m = ji_getenv("JITCKPT_ON_HANG");
   if (m && !strcmp(m, "recover")) ji_vh_mode |= JI_VM_COMMS;
+  /* A device swap (shim_device.c) re-creates every stream and event on the
+   * new device: the application must hold none of the old physical ones. */
+  const char *d = ji_getenv("JITCKPT_ON_DEVICE_LOSS");
+  if (m && !strcmp(m, "recover") && d && !strcmp(d, "migrate")) ji_vh_mode |= JI_VM_STREAMS | JI_VM_EVENTS;
 }
 
 /* Under LeakSanitizer the arena must be a root: communicator records are

@@ -580,6 +580,17 @@ int ji_wd_comm_async_error(int *rank) {
 
 void ji_wd_write_event(const char *json) { write_event_line(json); }
 void *ji_wd_pool_get(void) { return pool_get(); }
+
+/* The device was replaced: pooled events and the private stream belonged to
+ * the old one (using them now fails). Forget them (nothing to destroy: their
+ * context is gone) and make the private stream again on the new device. */
+void ji_wd_device_replaced(void) {
+  pthread_mutex_lock(&wd_mu);
+  ev_pool_n = 0;
+  pthread_mutex_unlock(&wd_mu);
+  atomic_store(&priv_stream, NULL);
+  make_private_stream();
+}
 void ji_wd_pool_put(void *e) {
   pthread_mutex_lock(&wd_mu);
   pool_put_locked(e);

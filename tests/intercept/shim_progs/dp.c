@@ -10,7 +10,7 @@
  * kernel (momentum state M, parameters W); optimizer_end.
  * At the end the final W and M (device) are copied out and written to
  * DIR/final.RANK; prints "PID <pid>" at start and
- * "FINAL rank=<r> pid=<pid> dev=<fnv of W,M> host=<fnv of the losses seen>".
+ * "FINAL rank=<r> pid=<pid> dev=<fnv of W,M> host=<fnv of the losses seen> ... device=<device identity>".
  * Env: DP_HOSTFN=1: a cudaLaunchHostFunc per step (host work on the stream,
  * which the replay cannot redo). DP_INIT_MS: start-up sleep before the first device call.
  * DP_FAULTS_FIRST_ATTEMPT=1: JITSIM_* faults only when
@@ -161,9 +161,10 @@ int dp_finish(const char *dir) {
   if (!f || fwrite(out, sizeof out, 1, f) != 1 || fclose(f)) return 5;
   int64_t (*stat)(const char *) = shim_jitintercept_stat();
   uint64_t (*nrec)(void) = (uint64_t(*)(void))dlsym(RTLD_DEFAULT, "jitintercept_recoveries");
-  printf("FINAL rank=%d pid=%d dev=%016llx host=%016llx recoveries=%llu triggers=%lld\n", D.rank, (int)getpid(),
-         (unsigned long long)fnv1a(out, sizeof out, 1469598103934665603ull), (unsigned long long)D.host,
-         (unsigned long long)(nrec ? nrec() : 0), (long long)(stat ? stat("triggers") : -1));
+  const char *(*uuid)(void) = (const char *(*)(void))dlsym(RTLD_DEFAULT, "jitsimDeviceUuid");
+  printf("FINAL rank=%d pid=%d dev=%016llx host=%016llx recoveries=%llu triggers=%lld device=%s\n", D.rank,
+         (int)getpid(), (unsigned long long)fnv1a(out, sizeof out, 1469598103934665603ull), (unsigned long long)D.host,
+         (unsigned long long)(nrec ? nrec() : 0), (long long)(stat ? stat("triggers") : -1), uuid ? uuid() : "?");
   fflush(stdout);
   CK(ncclCommDestroy(D.comm));
   return 0;

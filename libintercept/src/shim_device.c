@@ -1,0 +1,241 @@
+/*
+ * shim_device.c - a rank whose device is lost while its process lives
+ * (paper §4.3, with §4.2.2 for the optimizer phase):
+ * JITCKPT_ON_HANG=recover plus JITCKPT_ON_DEVICE_LOSS=migrate.
+ *
+ * The recovery epoch (shim_transparent.c) runs as for a transient fault; the
+ * rank that saw a sticky CUDA error additionally, between announcing the
+ * epoch and joining it:
+ *   1. gives the device up (no device memory goes into a CPU checkpoint) and
+ *      closes its store connection (no socket may cross to another node);
+ *   2. writes JITCKPT_DEVICE_DIR/device-lost-<rank>-<epoch>.json and waits,
+ *      polling with no fd open, for device-resume-<rank>-<epoch>.json. Meanwhile
+ *      whoever drives migration (launcher/device_loss.py) dumps the process
+ *      with CRIU, restores it where a healthy device is, and writes the resume
+ *      file there with the new device's identity;
+ *   3. attaches the new device and re-makes every live allocation at the
+ *      address the application holds (on the stand-in jitsimMallocAt; on a GPU
+ *      that would be cuMemAddressReserve at the old address + cuMemCreate/Map,
+ *      not implemented: such a rank falls back), and the watchdog's own objects.
+ * After every rank joined and the communicators are new, all ranks read who
+ * lost its device and where each stands (minibatch, optimizer phase), and
+ * decide alike: the lowest healthy rank is the donor; it sends every live
+ * allocation to each lost rank, matched by name (allocating call stack, its
+ * sequence number, size), over the new communicator. Then either the lost
+ * rank replays its minibatch like everybody (fault before the optimizer: the
+ * replicas wait in that minibatch's collectives, parameters untouched), or,
+ * when it faulted in the optimizer step after the replicas completed theirs
+ * (they wait in the next minibatch), it takes their post-update state and
+ * drops its device calls until the next minibatch_begin. Any other
+ * combination has no replica at a minibatch boundary: every rank falls back.
+ *
+ * Threads: everything here runs on the recovery's coordinator thread with the
+ * gate up; the flags are atomics read by hooks on any thread.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "jitintercept.h"
+#include "shim_internal.h"
+
+int ji_dev_mode;
+_Atomic int ji_dev_lost;
+_Atomic int ji_discard;
+
+__attribute__((constructor)) static void dev_init(void) {
+  const char *m = ji_getenv("JITCKPT_ON_DEVICE_LOSS");
+  const char *h = ji_getenv("JITCKPT_ON_HANG");
+  ji_dev_mode = m && !strcmp(m, "migrate") && h && !strcmp(h, "recover");
+}
+
+/* ---------------- allocation names ---------------- */
+static uint64_t fnv(const void *p, size_t n, uint64_t h) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* The application's call stack above the shim, as (object basename, offset)
+ * pairs: equal in every process of the same binaries whatever ASLR chose. */
+uint64_t ji_callsite(void) {
+  if (!ji_dev_mode) return 0; /* names are only needed for a device swap */
+  void *fr[12];
+  int n = backtrace(fr, 12);
+  Dl_info self;
+  if (!dladdr((void *)ji_callsite, &self)) self.dli_fbase = NULL;
+  uint64_t h = 1469598103934665603ull;
+  for (int i = 0; i < n; i++) {
+    Dl_info d;
+    if (!dladdr(fr[i], &d) || !d.dli_fname) {
+      h = fnv("?", 1, h);
+      continue;
+    }
+    if (d.dli_fbase == self.dli_fbase) continue; /* shim frames */
+    const char *base = strrchr(d.dli_fname, '/');
+    base = base ? base + 1 : d.dli_fname;
+    uint64_t off = (uint64_t)((const char *)fr[i] - (const char *)d.dli_fbase);
+    h = fnv(base, strlen(base), h);
+    h = fnv(&off, sizeof off, h);
+  }
+  return h;
+}
+
+uint64_t ji_dev_digest(void) {
+  ji_alloc_key *k;
+  size_t n = ji_alloc_keys(&k);
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++) {
+    h = fnv(&k[i].site, sizeof k[i].site, h);
+    h = fnv(&k[i].seq, sizeof k[i].seq, h);
+    uint64_t sz = k[i].n;
+    h = fnv(&sz, sizeof sz, h);
+  }
+  free(k);
+  return h;
+}
+
+/* ---------------- the device swap ---------------- */
+static void *sim_sym(const char *name) {
+  void *p = dlsym(RTLD_DEFAULT, name);
+  return p ? p : ji_sym_in_lib(JI_CUDART, name);
+}
+
+const char *ji_dev_precheck(void) {
+  const char *dir = ji_getenv("JITCKPT_DEVICE_DIR");
+  if (!dir || !*dir) return "device lost and JITCKPT_DEVICE_DIR is not set: nobody can move this process to a new device";
+  if (!sim_sym("jitsimDeviceReplace") || !sim_sym("jitsimMallocAt") || !sim_sym("jitsimDeviceDetach"))
+    return "device lost: this CUDA runtime cannot attach a new device to a live process with allocations at "
+           "their old addresses (the stand-in can; on a GPU this needs the driver's VMM calls, not implemented)";
+  if ((ji_vh_mode & (JI_VM_STREAMS | JI_VM_EVENTS | JI_VM_COMMS)) != (JI_VM_STREAMS | JI_VM_EVENTS | JI_VM_COMMS))
+    return "device lost: the application holds physical stream/event handles of the old device "
+           "(JITCKPT_VIRTUAL_HANDLES=all is needed to move it to a new one)";
+  return NULL;
+}
+
+static double wall(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int write_atomic(const char *path, const char *text) {
+  char tmp[4300];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid()) >= (int)sizeof tmp) return -1;
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return -1;
+  size_t n = strlen(text);
+  int ok = write(fd, text, n) == (ssize_t)n && fsync(fd) == 0;
+  close(fd);
+  if (!ok || rename(tmp, path)) {
+    unlink(tmp);
+    return -1;
+  }
+  return 0;
+}
+
+/* The resume file's "uuid" value; 1 when found. No fd stays open. */
+static int read_uuid(const char *path, char *out, size_t n) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[1024];
+  ssize_t k = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (k <= 0) return 0;
+  buf[k] = 0;
+  char *p = strstr(buf, "\"uuid\"");
+  if (!p || !(p = strchr(p + 6, '"'))) return 0;
+  char *e = strchr(++p, '"');
+  if (!e || e == p || (size_t)(e - p) >= n) return 0;
+  memcpy(out, p, (size_t)(e - p));
+  out[e - p] = 0;
+  return 1;
+}
+
+const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
+  cudaError_t (*detach)(void) = (cudaError_t(*)(void))sim_sym("jitsimDeviceDetach");
+  cudaError_t (*replace)(const char *) = (cudaError_t(*)(const char *))sim_sym("jitsimDeviceReplace");
+  cudaError_t (*malloc_at)(void *, size_t) = (cudaError_t(*)(void *, size_t))sim_sym("jitsimMallocAt");
+  const char *(*uuid_of)(void) = (const char *(*)(void))sim_sym("jitsimDeviceUuid");
+  const char *dir = ji_getenv("JITCKPT_DEVICE_DIR");
+  char old[64];
+  snprintf(old, sizeof old, "%s", uuid_of ? uuid_of() : "?");
+  ji_tls_depth++;
+  detach();
+  ji_tls_depth--;
+  ji_store_close();
+
+  char lost[4200], resume[4200], text[512];
+  snprintf(lost, sizeof lost, "%s/device-lost-%d-%d.json", dir, rank, epoch);
+  snprintf(resume, sizeof resume, "%s/device-resume-%d-%d.json", dir, rank, epoch);
+  snprintf(text, sizeof text, "{\"rank\": %d, \"pid\": %d, \"epoch\": %d, \"device\": \"%s\", \"t\": %.6f}\n", rank,
+           (int)getpid(), epoch, old, wall());
+  if (write_atomic(lost, text)) return "device lost: cannot write the request file in JITCKPT_DEVICE_DIR";
+  char json[700];
+  snprintf(json, sizeof json,
+           "{\"event\": \"shim_device_lost\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, \"device\": \"%s\"}",
+           wall(), rank, (int)getpid(), epoch, old);
+  ji_wd_write_event(json);
+
+  /* Wall clock: CLOCK_MONOTONIC does not carry over to another machine. */
+  char uuid[64];
+  double parked = wall(), end = parked + bound_s;
+  while (!read_uuid(resume, uuid, sizeof uuid)) {
+    if (wall() > end) return "device lost: no new device within JITCKPT_RECOVER_TIMEOUT (was the process moved?)";
+    usleep(20000);
+  }
+  ji_tls_depth++;
+  cudaError_t r = replace(uuid);
+  ji_tls_depth--;
+  if (r != cudaSuccess) return "device lost: attaching the new device failed";
+  ji_alloc_key *k;
+  size_t n = ji_alloc_keys(&k);
+  const char *why = NULL;
+  ji_tls_depth++;
+  for (size_t i = 0; i < n && !why; i++)
+    if (malloc_at(k[i].p, k[i].n) != cudaSuccess) why = "device lost: an allocation could not be re-made at its old address";
+  ji_tls_depth--;
+  free(k);
+  if (why) return why;
+  ji_wd_device_replaced();
+  snprintf(json, sizeof json,
+           "{\"event\": \"shim_device_replaced\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, "
+           "\"device\": \"%s\", \"old_device\": \"%s\", \"allocations\": %zu, \"parked_s\": %.6f}",
+           wall(), rank, (int)getpid(), epoch, uuid, old, n, wall() - parked);
+  ji_wd_write_event(json);
+  return NULL;
+}
+
+/* The donor sends every live allocation to each lost rank, in name order; both
+ * sides checked before that their names agree (ji_dev_digest). */
+const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nlost, double deadline) {
+  (void)deadline;
+  ji_fn_ncclSend snd = REAL(ncclSend);
+  ji_fn_ncclRecv rcv = REAL(ncclRecv);
+  ji_fn_cudaStreamSynchronize sync = REAL(cudaStreamSynchronize);
+  cudaStream_t s = ji_private_stream();
+  if (!snd || !rcv || !sync || !s) return "refill: ncclSend/ncclRecv or the private stream is missing";
+  ji_alloc_key *k;
+  size_t n = ji_alloc_keys(&k);
+  const char *why = NULL;
+  ji_tls_depth++;
+  for (int j = 0; j < nlost && !why; j++) {
+    if (me != donor && me != lost[j]) continue;
+    for (size_t i = 0; i < n && !why; i++) {
+      ncclResult_t r = me == donor ? snd(k[i].p, k[i].n, ncclUint8, lost[j], (ncclComm_t)comm, s)
+                                   : rcv(k[i].p, k[i].n, ncclUint8, donor, (ncclComm_t)comm, s);
+      if (r != ncclSuccess) why = "refill: a transfer from the replica failed";
+    }
+  }
+  if (!why && (me == donor || n) && sync(s) != cudaSuccess) why = "refill: the transfers did not complete";
+  ji_tls_depth--;
+  free(k);
+  return why;
+}
