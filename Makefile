@@ -50,10 +50,11 @@ test: build criu
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
 
-# The shim's tests against the ASan/UBSan build of libjitintercept.
-test-asan: build
+# The shim's tests against the ASan/UBSan build of libjitintercept (the lost-device
+# test too: the shim's state crosses a CRIU dump and restore there).
+test-asan: build criu
 	$(MAKE) -C libintercept BUILD=$(BUILD) asan
-	JITCKPT_SHIM=$(BUILD)/asan/libjitintercept.so $(PY) -m pytest $(PYTEST_ARGS) tests/intercept
+	JITCKPT_SHIM=$(BUILD)/asan/libjitintercept.so $(PY) -m pytest $(PYTEST_ARGS) tests/intercept tests/test_device_loss.py
 
 # A real training run under jitrun with an injected failure and its recovery,
 # checked bit for bit against the same run without a failure.
