@@ -4,15 +4,15 @@ Three ranks of the stand-in data-parallel program (`dp`: compute and NCCL
 streams, grouped gradient all-reduce, a grad-norm all-reduce and a momentum
 update in the optimizer phase) run under the shim with
 JITCKPT_ON_HANG=recover and JITCKPT_ON_DEVICE_LOSS=migrate, each as PID 1 of
-its own PID namespace (the harness's MigratableProcs). Rank 1's device takes a
+its own PID namespace (the harness's MigratableProcs). One rank's device takes a
 sticky error (JITSIM_STICKY_ERROR_AT: a kernel launch; JITSIM_STICKY_COLL_AT:
 inside NCCL's kernel). The shim parks it; jitrun.device_loss dumps it with
 CRIU, restores it from the images and hands it a new device (nothing of the
 old device memory survives: the stand-in maps a fresh arena, filled with
 0xDB); the shim re-makes its allocations at their old addresses, refills them
-from rank 0 over the re-created communicator and replays the minibatch (or,
-for a fault in the optimizer step, takes rank 0's post-update state). Ranks 0
-and 2 wait in place. Every rank must finish bit-identical to a failure-free
+from the lowest healthy rank over the re-created communicator and replays the minibatch (or,
+for a fault in the optimizer step, takes the replicas' post-update state). The
+other ranks wait in place. Every rank must finish bit-identical to a failure-free
 run (device buffers and the losses the host saw), the healthy ranks in their
 original processes, the moved one without re-running its start-up.
 
@@ -42,7 +42,7 @@ import shimtest as st  # noqa: E402
 
 pytest.importorskip("torch.distributed")
 
-NR, STEPS, LOST = 3, 6, 1
+NR, STEPS = 3, 6
 FINAL = re.compile(r"FINAL rank=(\d+) pid=(\d+) dev=(\w+) host=(\w+) recoveries=(\d+) triggers=(-?\d+) device=(\S+)")
 _base: dict = {}
 
@@ -60,7 +60,7 @@ def baseline(tmp: Path) -> dict:
     return _base
 
 
-def run_with_lost_device(tmp: Path, fault: dict[str, str], new_device: str = "GPU-spare-0") -> dict:
+def run_with_lost_device(tmp: Path, fault: dict[str, str], lost: int, new_device: str = "GPU-spare-0") -> dict:
     """Runs the job, serves the lost rank's move, returns outputs, exit codes,
     FINAL lines, final buffers, events and the move's numbers."""
     tmp.mkdir(parents=True)
@@ -78,14 +78,14 @@ def run_with_lost_device(tmp: Path, fault: dict[str, str], new_device: str = "GP
                        WORLD_SIZE=str(NR), RANK=str(r), LOCAL_RANK=str(r), JITCKPT_SHIM_EVENTS=str(events),
                        JITCKPT_ON_HANG="recover", JITCKPT_ON_DEVICE_LOSS="migrate", JITCKPT_DEVICE_DIR=str(ctl),
                        JITCKPT_TIMEOUT="1", JITCKPT_RECOVER_TIMEOUT="60", JITCKPT_POLL_MS="20",
-                       JITSIM_DEVICE_UUID=f"GPU-node{r}-0", **(fault if r == LOST else {}))
+                       JITSIM_DEVICE_UUID=f"GPU-node{r}-0", **(fault if r == lost else {}))
             starts[r], host_pid[r] = procs.start([str(st.PROGS / "dp"), str(r), str(NR), str(STEPS), str(tmp)],
                                                  output=tmp / f"out.{r}", env=e)
         waiters = dict(starts)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and any(p.poll() is None for p in waiters.values()):
             for req in device_loss.pending(ctl):
-                assert req.rank == LOST, req
+                assert req.rank == lost, req
                 m = device_loss.move(req, host_pid[req.rank], tmp / f"images-{req.epoch}", new_device, ctl)
                 procs.pids.append(m.pid)
                 waiters[req.rank] = m.helper
@@ -119,37 +119,39 @@ def run_with_lost_device(tmp: Path, fault: dict[str, str], new_device: str = "GP
     return res
 
 
-CASES = {
-    # kernel launches: 4 per step (forward, gradient, grad norm, update); NCCL ops: 2 per step
-    "forward": {"JITSIM_STICKY_ERROR_AT": "9"},  # step 2's forward kernel
-    "allreduce": {"JITSIM_STICKY_COLL_AT": "5"},  # inside step 2's gradient all-reduce
+CASES = {  # (the rank whose device dies, its fault)
+    # kernel launches: 4 per step (forward, gradient, grad norm, update); NCCL ops: 2 per step.
+    # Rank 0 also publishes the re-created communicator's id; the donor is then rank 1.
+    "forward": (0, {"JITSIM_STICKY_ERROR_AT": "9"}),  # step 2's forward kernel
+    "allreduce": (1, {"JITSIM_STICKY_COLL_AT": "5"}),  # inside step 2's gradient all-reduce
     # step 2's update kernel faults as it runs, after the norm all-reduce it follows on the stream (a
     # launch failing synchronously may leave that all-reduce undone: the replicas would then still be in
     # their optimizer step, the fallback case below)
-    "optimizer": {"JITSIM_STICKY_ERROR_AT": "12", "JITSIM_STICKY_ASYNC": "1"},
+    "optimizer": (2, {"JITSIM_STICKY_ERROR_AT": "12", "JITSIM_STICKY_ASYNC": "1"}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_lost_device_rank_moves_and_finishes_bit_identical(criu_bin, subreaper, tmp_path: Path, case: str) -> None:
     base = baseline(tmp_path)
-    r = run_with_lost_device(tmp_path / case, CASES[case])
+    lost, fault = CASES[case]
+    r = run_with_lost_device(tmp_path / case, fault, lost)
     assert r["rc"] == {i: 0 for i in range(NR)}, r["out"]
-    assert len(r["moves"]) == 1 and r["moves"][0]["old"] == f"GPU-node{LOST}-0", r["moves"]
+    assert len(r["moves"]) == 1 and r["moves"][0]["old"] == f"GPU-node{lost}-0", r["moves"]
     for i in range(NR):
         f = r["final"][i]
         assert r["buf"][i] == base["buf"][i], f"rank {i}: device state differs from the failure-free run"
         assert f["host"] == base["final"][i]["host"], f"rank {i}: the host saw other losses"
         assert f["recoveries"] == 1
-        assert f["device"] == ("GPU-spare-0" if i == LOST else f"GPU-node{i}-0")
+        assert f["device"] == ("GPU-spare-0" if i == lost else f"GPU-node{i}-0")
         # start-up ran once: the moved process continued from its image
         assert r["out"][i].count("PID ") == 1, r["out"][i]
-    lost = [e for e in r["events"] if e["event"] == "shim_device_lost"]
-    assert [(e["rank"], e["device"]) for e in lost] == [(LOST, f"GPU-node{LOST}-0")]
+    gone = [e for e in r["events"] if e["event"] == "shim_device_lost"]
+    assert [(e["rank"], e["device"]) for e in gone] == [(lost, f"GPU-node{lost}-0")]
     rec = [e for e in r["events"] if e["event"] == "shim_recovery"]
     assert sorted(e["rank"] for e in rec) == list(range(NR)), rec
     assert all(e["outcome"] == "recovered" and e["epoch"] == 1 for e in rec), rec
-    mine = next(e for e in rec if e["rank"] == LOST)
+    mine = next(e for e in rec if e["rank"] == lost)
     if case == "optimizer":
         assert mine["replayed"] == 0  # took the replica's post-update state
     else:
@@ -163,7 +165,7 @@ def test_device_lost_before_replicas_finish_the_optimizer_step_falls_back(criu_b
     all-reduce, inside their optimizer step, so no replica holds a minibatch
     boundary state. Every rank falls back (exit 75, the JIT checkpoint path)
     and none prints a result."""
-    r = run_with_lost_device(tmp_path / "opt-early", {"JITSIM_STICKY_ERROR_AT": "11"})
+    r = run_with_lost_device(tmp_path / "opt-early", {"JITSIM_STICKY_ERROR_AT": "11"}, 1)
     assert r["rc"] == {i: 75 for i in range(NR)}, (r["rc"], r["out"])
     assert not r["final"]
     fb = [e for e in r["events"] if e["event"] == "shim_recovery"]
