@@ -5,7 +5,10 @@
  * That is deliberately simple: the stand-in runs tests with a handful of
  * streams, and a single lock makes cross-stream dependencies (events, the
  * legacy default stream's implicit barriers) easy to get right. Work bodies
- * (kernels, copies, collectives) run with the lock released.
+ * (kernels, copies, collectives) run with the lock released (g_running counts
+ * them, so a device detach can wait until none touches device memory).
+ * Allocation tables (and the device arena) are under g_alloc_mu; the only
+ * nesting is g_mu -> g_alloc_mu, in jitsim_device_replace.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -247,7 +247,11 @@ JI_HIDDEN void ji_log_mark_synced(void);
 JI_HIDDEN int ji_replay_run(uint64_t end, int *nrec, double deadline);
 JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
 JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
-/* lost-device recovery (shim_device.c) */
+/* lost-device recovery (shim_device.c). ji_dev_mode: set once by a constructor.
+ * ji_dev_lost: this process's device is gone (set by the recovery's
+ * coordinator, cleared once the new device is attached). ji_discard: set by
+ * the coordinator for a fault in the optimizer step, cleared by
+ * minibatch_begin; read by hooks on any thread. */
 extern int ji_dev_mode;
 extern _Atomic int ji_dev_lost;
 extern _Atomic int ji_discard;
