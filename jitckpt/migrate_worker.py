@@ -81,10 +81,13 @@ def inventory() -> dict:
             "anon_inodes": sorted(other)}
 
 
-def teardown(extra_stores: list | None = None) -> dict:
+def teardown(extra_stores: list | None = None, wait_sockets: bool = True) -> dict:
     """Destroy every process group and release it and its store for real; return
     :func:`inventory` after it. ``extra_stores``: a list whose store objects the
-    caller also wants closed (cleared in place)."""
+    caller also wants closed (cleared in place). ``wait_sockets``: wait (up to 1 s)
+    until the process holds no inet socket; a rank that is not dumped keeps its store
+    connection, so for it the wait would always last the full second, and the job's
+    pause with it (the moved rank rebuilds its group only with every peer)."""
     import torch.distributed as dist
 
     _detach_ddp()
@@ -105,7 +108,7 @@ def teardown(extra_stores: list | None = None) -> dict:
     inv = inventory()
     deadline = time.monotonic() + 1.0
     collected = False
-    while inv["inet_socket_fds"] and time.monotonic() < deadline:
+    while wait_sockets and inv["inet_socket_fds"] and time.monotonic() < deadline:
         if not collected:
             gc.collect()
             collected = True
@@ -364,7 +367,7 @@ def at_minibatch_start(watch: Watch, rank: int, world_size: int, ctl_root: str |
         ctl.mkdir(parents=True, exist_ok=True)
         _, store = pause(ctl, gen, rank, world_size, step=step, extra_stores=stores, timeout=timeout, stop=stop)
         return gen, req, store, Watch(store, token)
-    inv = teardown()
+    inv = teardown(wait_sockets=False)  # not dumped: its sockets stay, by design
     watch.store.set(_key(token, gen, "paused", rank), json.dumps({"step": step, **inv}))
     res = _wait_store_resume(watch.store, token, gen, timeout, stop)
     rebuild(res, rank, world_size)

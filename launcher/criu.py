@@ -14,9 +14,13 @@ sits in a mount namespace of its own, which CRIU would have to dump as well
 (it then fails on the first fd it cannot place: "Can't lookup mount=N for
 fd=0 path=/dev/null").
 
-Every dump writes ``jitckpt-manifest.json`` (sha256 and size of every image
+Every dump writes ``jitckpt-manifest.json`` (CRC-32C and size of every image
 file, written atomically) next to the images; :func:`restore` refuses images
-that no longer match it (:func:`verify`).
+that no longer match it (:func:`verify`). CRC-32C through ISA-L, not sha256: the
+checksum guards against corruption on disk and on the wire (the transfer itself is
+authenticated by the job's token), and for a 250 MB image sha256 costs ~0.2 s
+twice in the migration pause, CRC-32C ~0.01 s. Without ISA-L the manifest says
+sha256 and :func:`verify` checks whichever the manifest names.
 """
 
 from __future__ import annotations
@@ -253,12 +257,39 @@ def _image_files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.is_file() and p.name not in _NOT_IMAGES)
 
 
+def _crc32c_file(path: Path) -> str:
+    import mmap
+
+    from jitckpt.ec import crc32c
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return f"{crc32c(b''):08x}"
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+            return f"{crc32c(mm):08x}"
+
+
+def _checksum_kind() -> str:
+    try:
+        from jitckpt.ec import crc32c
+
+        crc32c(b"")
+        return "crc32c"
+    except Exception:  # no ISA-L on this node: still checksummed, only slower
+        return "sha256"
+
+
+_CHECKSUM = {"crc32c": _crc32c_file, "sha256": layout.sha256_file}
+
+
 def write_manifest(images_dir: str | os.PathLike, extra: dict | None = None) -> Path:
-    """sha256 + size of every image file into ``jitckpt-manifest.json``, atomically
+    """Checksum + size of every image file into ``jitckpt-manifest.json``, atomically
     (temp file, fsync, rename): a half-written manifest never passes for a whole one."""
     d = Path(images_dir)
-    files = {p.name: {"sha256": layout.sha256_file(p), "size": p.stat().st_size} for p in _image_files(d)}
-    body = json.dumps({"format": 1, **(extra or {}), "files": files}, indent=1, sort_keys=True)
+    kind = _checksum_kind()
+    files = {p.name: {kind: _CHECKSUM[kind](p), "size": p.stat().st_size} for p in _image_files(d)}
+    body = json.dumps({"format": 2, **(extra or {}), "files": files}, indent=1, sort_keys=True)
     tmp = d / ".manifest.tmp"
     with open(tmp, "w") as f:
         f.write(body)
@@ -289,12 +320,15 @@ def verify(images_dir: str | os.PathLike) -> dict:
     bad = []
     for name, want in sorted(files.items()):
         p = d / name
+        kind = next((k for k in _CHECKSUM if k in want), None)
         if not p.is_file():
             bad.append(f"{name}: missing")
-        elif p.stat().st_size != want["size"]:
-            bad.append(f"{name}: size {p.stat().st_size}, manifest says {want['size']}")
-        elif layout.sha256_file(p) != want["sha256"]:
-            bad.append(f"{name}: sha256 differs from the manifest")
+        elif p.stat().st_size != want.get("size"):
+            bad.append(f"{name}: size {p.stat().st_size}, manifest says {want.get('size')}")
+        elif kind is None:
+            bad.append(f"{name}: the manifest gives no checksum (crc32c or sha256)")
+        elif _CHECKSUM[kind](p) != want[kind]:
+            bad.append(f"{name}: {kind} differs from the manifest")
     extra = [p.name for p in _image_files(d) if p.name not in files]
     bad += [f"{n}: not in the manifest" for n in extra]
     if bad:
@@ -432,6 +466,16 @@ def restore_and_wait_command(images_dir: str | os.PathLike) -> list[str]:
     return [sys.executable, "-m", "jitrun.criu", "restore", str(images_dir)]
 
 
+def restore_when_told_command() -> list[str]:
+    """:func:`restore_and_wait_command` started ahead: the helper imports what it needs,
+    then reads the images dir as one line from its stdin (EOF or an empty line: exit 3
+    without restoring). A migration target starts it when a request arrives, so the
+    interpreter start (~0.1 s) overlaps the transfer instead of adding to the pause."""
+    import sys
+
+    return [sys.executable, "-m", "jitrun.criu", "restore", "-"]
+
+
 def _restore_main(argv: list[str]) -> int:
     import ctypes
     import signal
@@ -441,6 +485,12 @@ def _restore_main(argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # the agent died: stop the worker too
+    if images == "-":
+        _checksum_kind()  # ISA-L loaded before the wait, not after
+        images = sys.stdin.readline().strip()
+        if not images:
+            print("FAILED no images dir given (the transfer failed)", flush=True)
+            return 3
     sigs = [getattr(signal, s) for s in _FORWARD]
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     t0 = time.monotonic()

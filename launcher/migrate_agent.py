@@ -323,22 +323,33 @@ class Target:
         stage = base / "recv"
         shutil.rmtree(base, ignore_errors=True)
         t0 = time.monotonic()
-        got = transfer.recv_stream(self._listener, self._token, tid, lambda rel: stage / rel.lstrip("/"),
-                                   restore_timeout_s())
-        t_recv = time.monotonic()
-        # files the worker holds open on its old node's private disk, at the same paths here
-        for rel, _size in got:
-            if rel.startswith("abs/"):
-                dest = Path(rel[3:])
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.chmod(stage / rel, int(req.get("modes", {}).get(rel, 0o644)))  # CRIU checks the mode
-                os.replace(stage / rel, dest)
-        images = stage / "img"
-        ctl = Path(req["ctl"]) / f"rank{rank}"
-        ctl.mkdir(parents=True, exist_ok=True)
-        helper = subprocess.Popen(criu.restore_and_wait_command(images), stdout=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
-        line = helper.stdout.readline().decode(errors="replace").strip() if helper.stdout else ""
+        helper = subprocess.Popen(criu.restore_when_told_command(), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+                                  start_new_session=True)
+        try:
+            got = transfer.recv_stream(self._listener, self._token, tid, lambda rel: stage / rel.lstrip("/"),
+                                       restore_timeout_s())
+            t_recv = time.monotonic()
+            # files the worker holds open on its old node's private disk, at the same paths here
+            for rel, _size in got:
+                if rel.startswith("abs/"):
+                    dest = Path(rel[3:])
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    os.chmod(stage / rel, int(req.get("modes", {}).get(rel, 0o644)))  # CRIU checks the mode
+                    os.replace(stage / rel, dest)
+            images = stage / "img"
+            ctl = Path(req["ctl"]) / f"rank{rank}"
+            ctl.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            helper.communicate(b"\n", timeout=30)  # told nothing: it exits without restoring
+            shutil.rmtree(base, ignore_errors=True)
+            raise
+        assert helper.stdin is not None and helper.stdout is not None
+        try:
+            helper.stdin.write(f"{images}\n".encode())
+            helper.stdin.close()
+        except OSError:
+            pass  # it died starting: its stdout says nothing, handled below
+        line = helper.stdout.readline().decode(errors="replace").strip()
         if not line.startswith("RESTORED "):
             helper.wait()
             shutil.rmtree(base, ignore_errors=True)

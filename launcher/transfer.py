@@ -212,9 +212,10 @@ def recv_files(store, token: str, tid: str, meta: dict, place: Callable[[str], P
     _write_files(meta["files"], place, read)
 
 
-def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str, int], bytes]) -> None:
-    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced),
-    its bytes from ``read(name, bytes left)``."""
+def _write_files(files: list, place: Callable[[str], Path],
+                 read: Callable[[str, int], bytes | memoryview], fsync: bool = True) -> None:
+    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced
+    unless ``fsync`` is false), its bytes from ``read(name, bytes left)``."""
     for rel, size in files:
         dest = place(rel)
         layout.makedirs_private(dest.parent)
@@ -226,7 +227,8 @@ def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str,
                 out.write(data)
                 left -= len(data)
             out.flush()
-            os.fsync(out.fileno())
+            if fsync:
+                os.fsync(out.fileno())
 
 
 def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
@@ -292,7 +294,22 @@ def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard
 # "files": [[name, size], ...]}, then the files' bytes back to back. A connection whose
 # token or transfer id is not the awaited one is closed and the wait goes on.
 
-STREAM_BUF = 1 << 20
+STREAM_BUF = 8 << 20
+# Both ends run as threads of an agent (on one node, the same agent): Python's
+# timeout sockets are non-blocking underneath, so a send or a receive then takes
+# thousands of small calls, each taking the GIL back, and two such threads in one
+# process held a 240 MB transfer at ~300 MB/s. Instead the socket blocks, with the
+# kernel's own timeouts (SO_SNDTIMEO / SO_RCVTIMEO: a stalled peer still fails the
+# call), a file goes out in one sendfile() and comes in STREAM_BUF bytes per
+# recv(MSG_WAITALL): a few dozen GIL hand-overs per transfer.
+
+
+def _kernel_timeouts(conn: socket.socket, timeout_s: float) -> None:
+    conn.settimeout(None)
+    sec = max(int(timeout_s), 1)
+    tv = sec.to_bytes(8, "little", signed=True) + (0).to_bytes(8, "little", signed=True)  # struct timeval
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
 
 def listen(addr: str) -> socket.socket:
@@ -309,11 +326,18 @@ def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[st
     header = json.dumps({"token": token, "tid": tid, "files": sizes}).encode() + b"\n"
     try:
         with socket.create_connection((addr, port), timeout=timeout_s) as conn:
+            _kernel_timeouts(conn, timeout_s)
             conn.sendall(header)
             sent = 0
-            for _rel, path in files:
+            for rel, path in files:
                 with open(path, "rb") as fh:
-                    sent += conn.sendfile(fh)
+                    size, off = os.fstat(fh.fileno()).st_size, 0
+                    while off < size:
+                        n = os.sendfile(conn.fileno(), fh.fileno(), off, size - off)
+                        if n == 0:
+                            raise OSError(f"{rel} shrank while it was sent")
+                        off += n
+                    sent += off
             conn.shutdown(socket.SHUT_WR)
             conn.recv(1)  # the receiver closes once it has everything on disk
             return sent
@@ -321,10 +345,29 @@ def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[st
         raise TransferError(f"streaming to {addr}:{port} failed: {e}") from None
 
 
+def _read_header(conn: socket.socket, limit: int = 1 << 16) -> tuple[bytes, bytes]:
+    """The header line and whatever of the files came with it."""
+    got = b""
+    while b"\n" not in got:
+        if len(got) > limit:
+            raise ValueError("header line too long")
+        piece = conn.recv(limit)
+        if not piece:
+            raise ValueError("closed before the header line")
+        got += piece
+    line, _, rest = got.partition(b"\n")
+    return line, rest
+
+
 def recv_stream(srv: socket.socket, token: str, tid: str, place: Callable[[str], Path],
                 timeout_s: float) -> list[tuple[str, int]]:
     """Accept the sender of ``tid`` on ``srv`` and write its files to ``place(name)``
-    (new files, 0600, fsynced). Returns the (name, size) list it announced."""
+    (new files, 0600). Returns the (name, size) list it announced.
+
+    Not fsynced: these are CRIU images, restored at once and deleted; a node that
+    crashes meanwhile fails the migration whatever is on its disk. An fsync would
+    write every page to a disk-backed jit dir (0.6 s for 240 MB here) and the
+    deletion right after the restore would have made that write useless."""
     deadline = time.monotonic() + timeout_s
     while True:
         if time.monotonic() > deadline:
@@ -334,21 +377,79 @@ def recv_stream(srv: socket.socket, token: str, tid: str, place: Callable[[str],
         except TimeoutError:
             continue
         with conn:
-            conn.settimeout(max(deadline - time.monotonic(), 1.0))
-            rf = conn.makefile("rb", buffering=STREAM_BUF)
+            _kernel_timeouts(conn, max(deadline - time.monotonic(), 1.0))
             try:
-                head = json.loads(rf.readline(1 << 16))
+                line, rest = _read_header(conn)
+                head = json.loads(line)
             except (ValueError, OSError):
                 continue
             if not (isinstance(head, dict) and hmac.compare_digest(str(head.get("token", "")), token)
                     and head.get("tid") == tid):
                 continue  # not ours: wrong job, wrong transfer, or a stray connection
-
-            def read(rel: str, left: int, rf=rf) -> bytes:
-                data = rf.read(min(left, STREAM_BUF))
-                if not data:
-                    raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")
-                return data
-
-            _write_files(head["files"], place, read)
+            _recv_files(conn, tid, head["files"], rest, place)
             return [(rel, size) for rel, size in head["files"]]
+
+
+def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, place: Callable[[str], Path]) -> None:
+    """The announced ``files`` from ``conn`` into new files (0600, unsynced: see
+    recv_stream): first what came with the header, then the socket's bytes moved by
+    splice() through a pipe (no copy through Python, one GIL hand-over per MiB), or,
+    where splice is missing, recv(MSG_WAITALL) of STREAM_BUF bytes at a time."""
+    early = memoryview(early_bytes)  # small files: several can come with the header's first recv
+    pipe = _splice_pipe()
+    view = memoryview(bytearray(STREAM_BUF)) if pipe is None else None
+    try:
+        for rel, size in files:
+            dest = place(rel)
+            layout.makedirs_private(dest.parent)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
+            try:
+                left = size
+                if len(early) and left:
+                    piece, early = early[:left], early[left:]
+                    _write_all(fd, piece)
+                    left -= len(piece)
+                while left > 0:
+                    try:
+                        if pipe is not None:
+                            n = os.splice(conn.fileno(), pipe[1], min(left, _PIPE_BYTES))
+                            moved = 0
+                            while moved < n:
+                                moved += os.splice(pipe[0], fd, n - moved)
+                        else:
+                            assert view is not None
+                            n = conn.recv_into(view, min(left, STREAM_BUF), socket.MSG_WAITALL)
+                            _write_all(fd, view[:n])
+                    except OSError as e:
+                        raise TransferError(f"transfer {tid}: receiving {rel} failed ({e})") from None
+                    if not n:
+                        raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")
+                    left -= n
+            finally:
+                os.close(fd)
+    finally:
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])
+
+
+_PIPE_BYTES = 1 << 20  # the default /proc/sys/fs/pipe-max-size
+
+
+def _splice_pipe() -> tuple[int, int] | None:
+    if not hasattr(os, "splice"):
+        return None
+    r, w = os.pipe()
+    try:
+        import fcntl
+
+        fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+    except OSError:  # a lower pipe-max-size: splice then moves 64 KiB at a time, still correct
+        pass
+    return r, w
+
+
+def _write_all(fd: int, data) -> None:
+    data = memoryview(data)
+    while len(data):
+        data = data[os.write(fd, data):]

@@ -1,0 +1,90 @@
+"""The direct image stream between agents (launcher/transfer.py send_stream / recv_stream):
+what jitrun migrate moves a worker's CRIU images with."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from jitrun import transfer
+
+TOKEN = "t0ken"
+
+
+def _files(tmp: Path) -> list[tuple[str, Path]]:
+    src = tmp / "src"
+    src.mkdir()
+    spec = {"empty": b"", "one": b"x", "small.json": b'{"a": 1}\n', "big.img": os.urandom((20 << 20) + 3),
+            "tail": os.urandom(70_000)}  # several small files arrive with the header's first recv
+    out = []
+    for name, data in spec.items():
+        (src / name).write_bytes(data)
+        out.append((f"img/{name}", src / name))
+    return out
+
+
+def _receive(srv, tid, dest: Path, result: dict) -> None:
+    try:
+        result["got"] = transfer.recv_stream(srv, TOKEN, tid, lambda rel: dest / rel, 20.0)
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        result["error"] = e
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "recv"])
+def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, splice):
+    if not splice:  # a Python or kernel without splice(): the recv(MSG_WAITALL) path
+        monkeypatch.setattr(transfer, "_splice_pipe", lambda: None)
+    files = _files(tmp_path)
+    srv = transfer.listen("127.0.0.1")
+    port = srv.getsockname()[1]
+    dest = tmp_path / "dst"
+    result: dict = {}
+    th = threading.Thread(target=_receive, args=(srv, "tid-1", dest, result))
+    th.start()
+    try:
+        # a connection with the wrong token, and one for another transfer: closed, the wait goes on
+        for tok, tid in (("wrong", "tid-1"), (TOKEN, "tid-other")):
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.sendall(json.dumps({"token": tok, "tid": tid, "files": []}).encode() + b"\n")
+                assert c.recv(1) == b""  # the receiver hung up on it
+        sent = transfer.send_stream("127.0.0.1", port, TOKEN, "tid-1", files, timeout_s=20.0)
+        th.join(30)
+    finally:
+        srv.close()
+    assert "error" not in result, result
+    assert sent == sum(p.stat().st_size for _, p in files)
+    assert result["got"] == [(rel, p.stat().st_size) for rel, p in files]
+    for rel, p in files:
+        got = dest / rel
+        assert got.read_bytes() == p.read_bytes(), rel
+        assert got.stat().st_mode & 0o777 == 0o600
+
+
+def test_sender_that_stops_short_is_an_error(tmp_path):
+    srv = transfer.listen("127.0.0.1")
+    port = srv.getsockname()[1]
+    result: dict = {}
+    th = threading.Thread(target=_receive, args=(srv, "tid-2", tmp_path / "dst", result))
+    th.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(json.dumps({"token": TOKEN, "tid": "tid-2", "files": [["img/a", 1000]]}).encode() + b"\n")
+            c.sendall(b"y" * 10)
+        th.join(30)
+    finally:
+        srv.close()
+    assert isinstance(result.get("error"), transfer.TransferError)
+    assert "990 bytes short in img/a" in str(result["error"])
+
+
+def test_unreachable_receiver_is_a_transfer_error(tmp_path):
+    srv = transfer.listen("127.0.0.1")
+    port = srv.getsockname()[1]
+    srv.close()
+    (tmp_path / "f").write_bytes(b"z")
+    with pytest.raises(transfer.TransferError, match="streaming to 127.0.0.1"):
+        transfer.send_stream("127.0.0.1", port, TOKEN, "tid-3", [("img/f", tmp_path / "f")], timeout_s=5.0)
