@@ -209,7 +209,8 @@ def over_cap_message(step: int, node: int, need: dict, cap: int, how: str) -> st
             f"{VERSIONS_HELD} versions x {need['chunks']} chunk(s) ({each}) + {fmt_bytes(need['staged_bytes'])} "
             f"staged = {fmt_bytes(need['need_bytes'])} in /dev/shm, over its cap of {fmt_bytes(cap)} ({how}). "
             f"Raise --jit-ec-max-mem to at least {fmt_bytes(need['need_bytes'])} (at most the node's MemAvailable), "
-            "or spread the chunks thinner (more nodes, a larger K in --jit-ec-code), or snapshot less state. "
+            "or spread the chunks thinner (more nodes, a larger K in --jit-ec-code), or snapshot less state; "
+            "--jit-ec-every 0 turns snapshots off. "
             "Training goes on without EC snapshots (JIT checkpoints are unaffected).")
 
 

@@ -103,6 +103,26 @@ def test_cli_start_check():
     assert err.startswith("--jit-ec-max-mem '4096T' = ") and "MemAvailable" in err and "at most" in err, err
 
 
+def test_default_interval_is_on_and_never_refuses(monkeypatch, capsys):
+    from launcher import cli
+
+    def args_of(*argv):
+        return cli._parser().parse_args([*argv, str(ROOT / "scripts" / "demo_train.py")])
+
+    a = args_of()
+    assert cli.check_args(a) is None
+    assert a.jit_ec_every == cli.DEFAULT_EC_EVERY > 0 and a.ec_cap[0] > 0
+    off = args_of("--jit-ec-every", "0")
+    assert cli.check_args(off) is None and off.jit_ec_every == 0
+    # a node where no cap can be derived: the default turns EC off with a note, an explicit N is refused
+    monkeypatch.setattr(ec_snapshot, "mem_available", lambda meminfo="": None)
+    a = args_of()
+    assert cli.check_args(a) is None and a.jit_ec_every == 0
+    assert "EC snapshots off (the default --jit-ec-every" in capsys.readouterr().err
+    err = cli.check_args(args_of("--jit-ec-every", "50"))
+    assert err.startswith("--jit-ec-every 50: no MemAvailable"), err
+
+
 def test_cli_refuses_cap_over_memavailable_and_creates_nothing(tmp_path):
     cmd = [sys.executable, "-m", "jitrun.cli", "--jit-dir", str(tmp_path / "jit"), "--jit-ec-every", "2",
            "--jit-ec-max-mem", "4096T", str(ROOT / "scripts" / "demo_train.py")]
