@@ -57,6 +57,27 @@ def test_single_node_all_workers_killed(tmp_path, reference, monkeypatch):
     assert_same_state(reference(2, STEPS), job.out)
 
 
+@pytest.mark.slow
+def test_default_interval_recovers_a_whole_job_crash(tmp_path, reference):
+    """No --jit-ec-* flag at all: the default interval (launcher.cli.DEFAULT_EC_EVERY) takes the
+    snapshot at minibatch 100, and a crash of every worker after it costs the minibatches since."""
+    from launcher.cli import DEFAULT_EC_EVERY
+
+    steps, kill_at = DEFAULT_EC_EVERY + 8, DEFAULT_EC_EVERY + 5  # 5 x 0.15 s for the version to commit
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    job = jitrun(tmp_path, nproc=2, steps=steps, fault=_kill_all(2, step=kill_at)["JITCKPT_FAULT"], timeout_s=5,
+                 train_args=["--step-sleep", "0.15"], env={"JITCKPT_EC_SHM": str(shm)})
+    assert job.returncode == 0, job.output[-4000:]
+    evs = job.events()
+    src = [e for e in evs if e["event"] == "restore_source"]
+    assert src and all(e["source"] == "ec" and e["step"] == DEFAULT_EC_EVERY for e in src), (src, job.output[-4000:])
+    rec = [e for e in evs if e["event"] == "recovery"]
+    assert len(rec) == 1 and rec[0]["restore_step"] == DEFAULT_EC_EVERY, rec
+    assert f"restoring from the erasure-coded snapshot of step {DEFAULT_EC_EVERY}" in job.output
+    assert_same_state(reference(2, steps), job.out)
+
+
 # Fresh worker processes: with the warm start (the default since 9d513e8) multi-node jobs hang here before their
 # first step, with or without EC (every rank waits in the consistency check for the others' keys; probably the
 # forked workers keep the forkserver's token, not the one shared through the rendezvous) - not EC's to fix.
