@@ -98,6 +98,24 @@ def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 180, cwd:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
+# torch 2.13 + gloo: a process that leaves with its process group alive can die at interpreter
+# exit with "terminate called without an active exception" (SIGABRT): gloo's worker threads still
+# hold work objects with Python references, freed during finalization when the GIL can no longer be
+# taken (pytorch/pytorch#190489; the atexit fix in pytorch/pytorch#179291 was abandoned). CI saw it
+# in plain torchrun baselines (Lightning, Accelerate), with no jitckpt thread in the process.
+UPSTREAM_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_reference(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """A failure-free baseline under plain torchrun (not the system under test): run again, once,
+    when it died of the upstream exit abort above, and say so; anything else is returned as is."""
+    cp = run_tree(cmd, **kw)
+    if cp.returncode != 0 and UPSTREAM_EXIT_ABORT in cp.stdout and "SIGABRT" in cp.stdout:
+        print(f"reference run hit the upstream gloo exit abort (pytorch#190489); running it again: {cmd[3:6]}")
+        cp = run_tree(cmd, **kw)
+    return cp
+
+
 def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeout_s: float = 3,
            max_restarts: int = 3, extra: list[str] | None = None, train_args: list[str] | None = None,
            env: dict | None = None, jit_dir: Path | None = None) -> Job:
@@ -113,8 +131,8 @@ def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeo
 
 def torchrun_reference(tmp: Path, nproc: int, steps: int) -> Path:
     out = tmp / f"reference-{nproc}-{steps}.pt"
-    cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(nproc), str(TRAIN), "--steps", str(steps), "--out", str(out)])
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(nproc), str(TRAIN), "--steps", str(steps), "--out", str(out)])
     assert cp.returncode == 0, cp.stdout[-3000:]
     return out
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_state, run_tree
+from conftest import assert_same_state, run_reference, run_tree
 
 SCRIPT = Path(__file__).with_name("fault_train.py")
 STEPS = 18  # 3 epochs x 6 minibatches with 2 ranks
@@ -39,8 +39,8 @@ def _run(tmp: Path, fault: str = "", extra: list[str] = (), nproc: int = 2) -> t
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fm") / "ref.pt"
-    cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(SCRIPT), "--out", str(out)])
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(SCRIPT), "--out", str(out)])
     assert cp.returncode == 0, cp.stdout[-3000:]
     return out
 

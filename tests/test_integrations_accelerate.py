@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT, Job, assert_same_state, run_tree
+from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
 pytest.importorskip("accelerate")
 
@@ -18,8 +18,8 @@ FAULT_STEP = 20  # 16 minibatches per rank and epoch: epoch 1, minibatch 4
 @pytest.mark.parametrize("kind", ["sigkill", pytest.param("exception", marks=pytest.mark.slow)])
 def test_accelerate_killed_rank_resumes_exactly(tmp_path, kind):
     ref = tmp_path / "reference.pt"
-    cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(SCRIPT), "--out", str(ref)], cwd=tmp_path)
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(SCRIPT), "--out", str(ref)], cwd=tmp_path)
     assert cp.returncode == 0, cp.stdout[-3000:]
     out, jit = tmp_path / "final.pt", tmp_path / "jit"
     cp = run_tree([sys.executable, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", "2", "--max-restarts",

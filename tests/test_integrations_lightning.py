@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from conftest import ROOT, Job, assert_same_state, run_tree
+from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
 pytest.importorskip("lightning", reason="PyTorch Lightning is not installed (pip install 'lightning>=2.4')")
 
@@ -22,8 +22,8 @@ MID_EPOCH, EPOCH_START = 20, 16
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lightning-reference")
     ref = tmp / "reference.pt"
-    cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(SCRIPT), "--out", str(ref)], cwd=tmp, timeout=300)
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(SCRIPT), "--out", str(ref)], cwd=tmp, timeout=300)
     assert cp.returncode == 0, cp.stdout[-3000:]
     return ref
 

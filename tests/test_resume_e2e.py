@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Job, assert_same_state, run_tree
+from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
 DEMO = ROOT / "scripts" / "demo_train.py"
 TUTORIAL = ROOT / "scripts" / "examples" / "multigpu_torchrun.py"
@@ -45,8 +45,8 @@ def reference_of(tmp_path_factory):
         if (script, mode) not in cache:
             d = tmp_path_factory.mktemp(f"ref-{script}-{mode}")
             out = d / "final.pt"
-            cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           *_script_cmd(script, out, mode)], cwd=d)
+            cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                *_script_cmd(script, out, mode)], cwd=d)
             assert cp.returncode == 0, cp.stdout[-3000:]
             cache[(script, mode)] = out
         return cache[(script, mode)]

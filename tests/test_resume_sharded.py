@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, Job, assert_same_state, run_tree
+from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
 from jitckpt import layout, resume_sharded
 
@@ -50,8 +50,8 @@ def reference_of(tmp_path_factory):
         key = (mesh, steps, optim)
         if key not in cache:
             d = tmp_path_factory.mktemp(f"ref-{mesh}-{optim}")
-            cp = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(_nproc(mesh)), *_train_args(d / "final", mesh, steps, optim)], cwd=d, timeout=300)
+            cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                str(_nproc(mesh)), *_train_args(d / "final", mesh, steps, optim)], cwd=d, timeout=300)
             assert cp.returncode == 0, cp.stdout[-4000:]
             cache[key] = d / "final"
         return cache[key]
