@@ -26,6 +26,7 @@ A shared jit dir needs no copies: the replica is found locally first.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -412,10 +413,12 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                 while left > 0:
                     try:
                         if pipe is not None:
-                            n = os.splice(conn.fileno(), pipe[1], min(left, _PIPE_BYTES))
-                            moved = 0
-                            while moved < n:
-                                moved += os.splice(pipe[0], fd, n - moved)
+                            n, spliced = _splice_some(conn, pipe, fd, min(left, _PIPE_BYTES))
+                            if not spliced:  # a socket or file system without splice: recv from here on
+                                _close_pipe(pipe)
+                                pipe, view = None, memoryview(bytearray(STREAM_BUF))
+                                if n < 0:
+                                    continue
                         else:
                             assert view is not None
                             n = conn.recv_into(view, min(left, STREAM_BUF), socket.MSG_WAITALL)
@@ -429,11 +432,40 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                 os.close(fd)
     finally:
         if pipe is not None:
-            os.close(pipe[0])
-            os.close(pipe[1])
+            _close_pipe(pipe)
 
 
 _PIPE_BYTES = 1 << 20  # the default /proc/sys/fs/pipe-max-size
+
+
+def _splice_some(conn: socket.socket, pipe: tuple[int, int], fd: int, want: int) -> tuple[int, bool]:
+    """Up to ``want`` bytes socket -> pipe -> ``fd``. Returns (bytes moved, spliced);
+    (-1, False) when the socket cannot splice (nothing was read), (n, False) when the
+    file cannot: the n bytes already in the pipe were copied by read/write."""
+    try:
+        n = os.splice(conn.fileno(), pipe[1], want)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return -1, False
+    moved = 0
+    while moved < n:
+        try:
+            moved += os.splice(pipe[0], fd, n - moved)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            while moved < n:
+                chunk = os.read(pipe[0], n - moved)
+                _write_all(fd, chunk)
+                moved += len(chunk)
+            return n, False
+    return n, True
+
+
+def _close_pipe(pipe: tuple[int, int]) -> None:
+    os.close(pipe[0])
+    os.close(pipe[1])
 
 
 def _splice_pipe() -> tuple[int, int] | None:

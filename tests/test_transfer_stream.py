@@ -3,9 +3,11 @@ what jitrun migrate moves a worker's CRIU images with."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -34,10 +36,24 @@ def _receive(srv, tid, dest: Path, result: dict) -> None:
         result["error"] = e
 
 
-@pytest.mark.parametrize("splice", [True, False], ids=["splice", "recv"])
+def _splice_refused_by(side: str):
+    real = os.splice
+
+    def splice(src, dst, count, *a, **kw):
+        # the pipe's ends are the only fds that are not the socket or the file
+        if (side == "socket" and stat.S_ISSOCK(os.fstat(src).st_mode)) or \
+                (side == "file" and stat.S_ISREG(os.fstat(dst).st_mode)):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(src, dst, count, *a, **kw)
+    return splice
+
+
+@pytest.mark.parametrize("splice", ["yes", "missing", "socket-refuses", "file-refuses"])
 def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, splice):
-    if not splice:  # a Python or kernel without splice(): the recv(MSG_WAITALL) path
+    if splice == "missing":  # a Python or kernel without splice(): the recv(MSG_WAITALL) path
         monkeypatch.setattr(transfer, "_splice_pipe", lambda: None)
+    elif splice != "yes":  # EINVAL from splice (socket or file system without it): recv from there on
+        monkeypatch.setattr(os, "splice", _splice_refused_by(splice.split("-")[0]))
     files = _files(tmp_path)
     srv = transfer.listen("127.0.0.1")
     port = srv.getsockname()[1]
