@@ -453,27 +453,22 @@ def _wait_as(pid: int) -> int:
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def restore_and_wait_command(images_dir: str | os.PathLike) -> list[str]:
+def restore_and_wait_command(images_dir: str | os.PathLike | None = None) -> list[str]:
     """How an agent restores a migrated worker: ``python -m jitrun.criu restore IMAGES``
     restores it as this helper's child (the helper is a child subreaper), prints
     ``RESTORED <pid> <seconds>`` (or ``FAILED <why>`` and exits 3), forwards the
     agent's stop signals to it and exits as it did, like the ``exec`` wrapper does for
     a worker started in place. The agent keeps no subreaper role itself: it would
     adopt every orphan of the node and could reap none of them without stealing
-    torchrun's exit statuses."""
-    import sys
+    torchrun's exit statuses.
 
-    return [sys.executable, "-m", "jitrun.criu", "restore", str(images_dir)]
-
-
-def restore_when_told_command() -> list[str]:
-    """:func:`restore_and_wait_command` started ahead: the helper imports what it needs,
-    then reads the images dir as one line from its stdin (EOF or an empty line: exit 3
+    Without ``images_dir`` the helper starts ahead: it imports what it needs, then
+    reads the images dir as one line from its stdin (EOF or an empty line: exit 3
     without restoring). A migration target starts it when a request arrives, so the
     interpreter start (~0.1 s) overlaps the transfer instead of adding to the pause."""
     import sys
 
-    return [sys.executable, "-m", "jitrun.criu", "restore", "-"]
+    return [sys.executable, "-m", "jitrun.criu", "restore", "-" if images_dir is None else str(images_dir)]
 
 
 def _restore_main(argv: list[str]) -> int:

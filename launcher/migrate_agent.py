@@ -323,7 +323,7 @@ class Target:
         stage = base / "recv"
         shutil.rmtree(base, ignore_errors=True)
         t0 = time.monotonic()
-        helper = subprocess.Popen(criu.restore_when_told_command(), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+        helper = subprocess.Popen(criu.restore_and_wait_command(), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                   start_new_session=True)
         try:
             got = transfer.recv_stream(self._listener, self._token, tid, lambda rel: stage / rel.lstrip("/"),

@@ -213,10 +213,9 @@ def recv_files(store, token: str, tid: str, meta: dict, place: Callable[[str], P
     _write_files(meta["files"], place, read)
 
 
-def _write_files(files: list, place: Callable[[str], Path],
-                 read: Callable[[str, int], bytes | memoryview], fsync: bool = True) -> None:
-    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced
-    unless ``fsync`` is false), its bytes from ``read(name, bytes left)``."""
+def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str, int], bytes]) -> None:
+    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced),
+    its bytes from ``read(name, bytes left)``."""
     for rel, size in files:
         dest = place(rel)
         layout.makedirs_private(dest.parent)
@@ -228,8 +227,7 @@ def _write_files(files: list, place: Callable[[str], Path],
                 out.write(data)
                 left -= len(data)
             out.flush()
-            if fsync:
-                os.fsync(out.fileno())
+            os.fsync(out.fileno())
 
 
 def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
@@ -301,8 +299,8 @@ STREAM_BUF = 8 << 20
 # thousands of small calls, each taking the GIL back, and two such threads in one
 # process held a 240 MB transfer at ~300 MB/s. Instead the socket blocks, with the
 # kernel's own timeouts (SO_SNDTIMEO / SO_RCVTIMEO: a stalled peer still fails the
-# call), a file goes out in one sendfile() and comes in STREAM_BUF bytes per
-# recv(MSG_WAITALL): a few dozen GIL hand-overs per transfer.
+# call), a file goes out in one sendfile() and comes in by splice() a MiB at a time
+# (_recv_files; STREAM_BUF bytes per recv(MSG_WAITALL) where splice is refused).
 
 
 def _kernel_timeouts(conn: socket.socket, timeout_s: float) -> None:
