@@ -43,7 +43,7 @@ from jitckpt import layout
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
-from . import decide, migrate, migrate_agent, rdzv, scheduler, transfer, warm
+from . import criu, decide, device_loss, migrate, migrate_agent, rdzv, scheduler, transfer, warm
 from .events import EventLog
 from .wakeup import Wakeup
 
@@ -174,7 +174,8 @@ class JitAgent(LocalElasticAgent):
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
         # issue 13: ranks moved to another node by `jitrun migrate` (launcher/migrate_agent.py)
-        self._moved: dict[int, migrate_agent.Remote] = {}
+        # (and a rank whose lost device's process moved to a new device: launcher/device_loss.py)
+        self._moved: dict[int, migrate_agent.Remote | device_loss.Moved] = {}
         self._migrating: dict[int, list[dict]] = {}  # gen -> this node's ranks' "migrating" reports
         self._mig_pids: dict[int, int] = {}  # rank -> host PID of its namespace init (what CRIU dumps)
         self._mig_out: dict[int, str] = {}  # rank -> its output file (held open, on this node's disk)
@@ -185,6 +186,11 @@ class JitAgent(LocalElasticAgent):
         self._bad_devices: set[str] = set()  # left out of CUDA_VISIBLE_DEVICES at the next start
         self._health_monitor = None
         self._nvml_count = 0
+        # issue 13: where this node's parked workers ask for a new device (device_loss.py)
+        dd = os.environ.get(device_loss.DIR_ENV)
+        self._device_dir: Path | None = Path(dd) if dd and os.environ.get("JITCKPT_ON_DEVICE_LOSS") == "migrate" \
+            else None
+        self._device_dir_warned = False
         coord = rdzv.coordination_store(handler)
         if migrate.enabled() and coord is not None:
             # also on a spare: a node waiting to join can take migrated workers
@@ -313,6 +319,8 @@ class JitAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup):
         self._prepare_restore()
         self._check_devices(worker_group)
+        if self._device_dir is not None:
+            device_loss.reset(self._device_dir)
         pids = super()._start_workers(worker_group)
         if migrate.enabled():  # issue 13: where each migratable rank runs
             ranks = migrate.record_workers(self, worker_group)
@@ -391,7 +399,7 @@ class JitAgent(LocalElasticAgent):
             procs = {wg.workers[lr].global_rank: _Proc(p.pid, _mp_poll(p), p.join)
                      for lr, p in enumerate(pc._pc.processes)}  # type: ignore[attr-defined]
         for r, remote in self._moved.items():  # its wrapper here ended with the dump
-            procs[r] = _Proc(0, remote.poll, remote.wait, remote.send)
+            procs[r] = _Proc(getattr(remote, "pid", 0), remote.poll, remote.wait, remote.send)
         return procs
 
     def _mp_progress(self, wg: WorkerGroup) -> RunResult:
@@ -498,6 +506,73 @@ class JitAgent(LocalElasticAgent):
             procs[r].signal(signal.SIGTERM)
         self._events.emit("device_restart", ranks=ranks, devices=sorted(failing))
 
+    def _on_device_lost(self, wg: WorkerGroup) -> None:
+        """A local rank's device died under its live process, which the shim parked
+        (launcher/device_loss.py): the scheduler hook says where it goes; it is
+        moved with CRIU and attaches the new device there, or told to fall back."""
+        from . import health
+
+        try:
+            reqs = [r for r in device_loss.pending(self._device_dir)
+                    if r.rank in self._local_ranks and r.rank not in self._moved]
+        except ValueError as e:
+            if not self._device_dir_warned:
+                self._device_dir_warned = True
+                print(f"jitrun: {e}", file=sys.stderr, flush=True)
+            return
+        for req in reqs:
+            t0 = time.monotonic()
+            names = self._devices(wg)
+            local_of = {w.global_rank: w.local_rank for w in wg.workers}
+            lr = local_of[req.rank]
+            lost = names[lr] if lr < len(names) else req.device
+            self._bad_devices.add(lost)
+            spares = device_loss.spare_devices(health.check(), names, wg.spec.local_world_size,
+                                               self._bad_devices | {req.device})
+            self._events.emit("device_lost", rank=req.rank, device=req.device, epoch=req.epoch, spares=spares)
+            failure = {"event": "device_lost", "job_id": self._jit.job_id, "rank": req.rank,
+                       "failed_devices": [lost], "device_uuid": req.device, "spare_devices": spares,
+                       "devices": ",".join(names), "nproc_per_node": wg.spec.local_world_size,
+                       "hosts": [self._node.host], "node": {"node_id": self._node.node_id, "addr": self._node.addr}}
+            try:
+                placement = scheduler.place(self._jit.scheduler, failure)
+            except scheduler.SchedulerError as e:
+                print(f"jitrun: {e}", file=sys.stderr, flush=True)
+                placement = scheduler.Placement()
+            coord = self._coord.store if self._coord is not None else None
+            why = device_loss.refusal(placement, self._node.addr, self._mig_pids.get(req.rank), coord is not None)
+            if why is None:
+                images = self._jit.root / "migrate" / "img" / f"device-rank{req.rank}-e{req.epoch}"
+                try:
+                    if device_loss.is_local(placement.to, self._node.addr):
+                        moved = device_loss.move(req, self._mig_pids[req.rank], images, str(placement.device),
+                                                 self._device_dir)
+                        self._mig_pids[req.rank] = moved.pid
+                    else:
+                        moved = device_loss.move_to_node(
+                            req, self._mig_pids[req.rank], images, str(placement.device), self._device_dir,
+                            to=str(placement.to), coord_store=coord, token=self._jit.token,
+                            output=self._mig_out.get(req.rank))
+                except (criu.CriuError, migrate_agent.MigrationError, OSError) as e:
+                    why = f"the move failed: {e}"
+                    self._events.emit("device_move_failed", rank=req.rank, epoch=req.epoch, to=placement.to,
+                                      error=str(e))
+                else:
+                    self._moved[req.rank] = moved if isinstance(moved, device_loss.Moved) else moved.remote
+                    self._events.emit("device_moved", rank=req.rank, epoch=req.epoch, to=placement.to,
+                                      device=placement.device, old_device=req.device,
+                                      dump_s=round(moved.dump_s, 4), restore_s=round(moved.restore_s, 4),
+                                      image_bytes=moved.image_bytes, pause_s=round(time.monotonic() - t0, 4))
+                    print(f"jitrun: rank {req.rank}'s device {req.device} was lost: moved the live process to "
+                          f"device {placement.device} on {placement.to} (dump {moved.dump_s:.2f}s, restore "
+                          f"{moved.restore_s:.2f}s, {moved.image_bytes >> 20} MiB)", flush=True)
+                    continue
+            if Path(f"/proc/{self._mig_pids.get(req.rank, 0)}").exists():
+                device_loss.refuse(self._device_dir, req, why)
+            self._events.emit("device_move_refused", rank=req.rank, epoch=req.epoch, why=why)
+            print(f"jitrun: rank {req.rank}'s device {req.device} was lost and its process is not moved ({why}); "
+                  "it falls back to the JIT checkpoint path", file=sys.stderr, flush=True)
+
     # -- migration (issue 13) -----------------------------------------------------
 
     def _reader_store(self, wg: WorkerGroup):
@@ -567,6 +642,8 @@ class JitAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._unhealthy:
             self._on_unhealthy(worker_group)
+        if self._device_dir is not None:
+            self._on_device_lost(worker_group)
         procs = self._procs(worker_group)
         self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         msgs = self._poll(worker_group, absorb=False)

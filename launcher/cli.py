@@ -122,7 +122,9 @@ def _parser():
                         "snapshots are disabled for the job, loudly, and training goes on)")
     g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # issue 13: launcher/migrate.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
-                        "so CRIU can move it to another node (jitrun migrate); turns warm start off")
+                        "so CRIU can move it to another node (jitrun migrate) and, with the shim preloaded, "
+                        "move a rank whose device died to a spare device (scheduler hook: device_lost); "
+                        "turns warm start off")
     return p
 
 
@@ -379,11 +381,11 @@ def run(args) -> int:
         print(f"jitrun: derived {line}", flush=True)
 
     config, cmd, cmd_args = config_from_args(args)
+    migratable = getattr(args, "jit_migratable", "off") == "on"  # issue 13
+    os.environ.pop("JITCKPT_MIGRATABLE", None)
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
         pypath = str(Path(__file__).resolve().parent.parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
-        migratable = getattr(args, "jit_migratable", "off") == "on"  # issue 13
-        os.environ.pop("JITCKPT_MIGRATABLE", None)
         if args.jit_warm_start == "on" and not intercept and not migratable:
             # CUDA and fork do not mix: the GPU path keeps fresh processes.
             from . import warm
@@ -394,11 +396,18 @@ def run(args) -> int:
         else:
             # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
             cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
-            if migratable:  # issue 13: launcher/migrate.py
-                from . import migrate
+    if migratable and isinstance(cmd, str) and not args.run_path:  # issue 13: launcher/migrate.py
+        from . import migrate
 
-                os.environ[migrate.ENV] = "1"
-                cmd, cmd_args = migrate.wrap(cmd, cmd_args)
+        os.environ[migrate.ENV] = "1"
+        cmd, cmd_args = migrate.wrap(cmd, cmd_args)
+        if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
+            # a sticky device error parks the process for a move to a new device
+            # (launcher/device_loss.py) instead of ending it
+            from . import device_loss
+
+            os.environ.setdefault("JITCKPT_ON_DEVICE_LOSS", "migrate")
+            os.environ.setdefault(device_loss.DIR_ENV, str(device_loss.control_dir(root)))
 
     from .launch import launch
 

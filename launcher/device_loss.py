@@ -8,22 +8,29 @@ in host memory. It then writes ``device-lost-<rank>-<epoch>.json`` into its
 ``JITCKPT_DEVICE_DIR`` and polls for ``device-resume-<rank>-<epoch>.json``.
 The other ranks wait in place inside the same recovery epoch.
 
-This module is the other half: :func:`pending` finds requests, :func:`move`
-dumps the process with CRIU (images checksummed), restores it where a healthy
-device is (``python -m jitrun.criu restore``: the restored process is that
-helper's child and its exit status the helper's), and :func:`answer` writes the
-resume file with the new device's identity. After that the shim attaches the
-device, re-makes every allocation at its old address, joins the epoch, gets
-its buffers from a replica and replays (or, for a fault in the optimizer step,
-takes the replica's post-update state). When anything here fails the process
-is never answered: the shim gives up after ``JITCKPT_RECOVER_TIMEOUT`` and
-every rank falls back to the JIT checkpoint path.
+This module is the other half, run by jitrun's agent on its main thread
+(``JitAgent._on_device_lost``, every monitor tick, for its own ranks):
+:func:`pending` finds requests; the scheduler hook is asked where the process
+goes (``device_lost``; :func:`spare_devices` lists this node's unused healthy
+devices for it); :func:`move` dumps the process with CRIU (images checksummed)
+and restores it here on a spare device (``python -m jitrun.criu restore``: the
+restored process is that helper's child and its exit status the helper's), or
+:func:`move_to_node` ships the images to another node's agent
+(``migrate_agent.Target``), which restores it there; either way :func:`answer`
+writes the resume file with the new device's identity. After that the shim
+attaches the device, re-makes every allocation at its old address, joins the
+epoch, gets its buffers from a replica and replays (or, for a fault in the
+optimizer step, takes the replica's post-update state). When the process cannot
+be moved, :func:`refuse` tells it so and every rank falls back to the JIT
+checkpoint path at once; a process never answered (its agent gone) gives up
+after ``JITCKPT_RECOVER_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -33,6 +40,30 @@ from . import criu
 
 LOST = "device-lost-{rank}-{epoch}.json"
 RESUME = "device-resume-{rank}-{epoch}.json"
+DIR_ENV = "JITCKPT_DEVICE_DIR"
+
+
+def control_dir(root: str | os.PathLike) -> Path:
+    """Where this node's parked workers write their requests (``<jit dir>``: node-local)."""
+    return Path(root) / "migrate" / "device"
+
+
+def reset(control_dir: str | os.PathLike) -> None:
+    """Before an attempt's workers start: no request or answer of an earlier attempt
+    survives (epochs count from 1 again in new processes: an old answer would be
+    taken for theirs)."""
+    d = Path(control_dir)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for p in d.glob("device-*.json*"):
+        p.unlink(missing_ok=True)
+
+
+def spare_devices(devices: list, visible: list[str], used: int, bad: set[str]) -> list[str]:
+    """UUIDs of this node's healthy devices (``health.check()``) that no local rank
+    uses: not among the first ``used`` of ``visible`` (indices or UUIDs, local-rank
+    order) and not known bad."""
+    taken = set(visible[:used]) | bad
+    return [d.uuid for d in devices if d.ok and d.uuid and str(d.index) not in taken and d.uuid not in taken]
 
 
 @dataclass(frozen=True)
@@ -67,15 +98,40 @@ def answer(control_dir: str | os.PathLike, req: Request, new_device: str) -> Pat
     """The resume file (atomic, 0600): the parked process attaches ``new_device``."""
     if not new_device or '"' in new_device or len(new_device) >= 64:
         raise ValueError(f"device identity {new_device!r}: give a non-empty name under 64 characters, no quotes")
+    return _write_answer(control_dir, req, {"uuid": new_device, "t": time.time()})
+
+
+def _write_answer(control_dir: str | os.PathLike, req: Request, body: dict) -> Path:
     path = Path(control_dir) / RESUME.format(rank=req.rank, epoch=req.epoch)
     tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"uuid": new_device, "t": time.time()}, f)
+        json.dump(body, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+def is_local(to: str | None, node_addr: str) -> bool:
+    return to in (node_addr, "localhost", "127.0.0.1")
+
+
+def refusal(placement, node_addr: str, host_pid: int | None, can_ship: bool) -> str | None:
+    """Why the scheduler hook's ``placement`` cannot be carried out here, or None."""
+    if placement.action != "migrate":
+        return f"the scheduler hook answered {placement.action!r} (no spare device to move it to)"
+    if not host_pid:
+        return "the worker was not started migratable (no PID namespace recorded for it)"
+    if not is_local(placement.to, node_addr) and not can_ship:
+        return f"cannot reach node {placement.to}: the job has no coordination store (static rendezvous)"
+    return None
+
+
+def refuse(control_dir: str | os.PathLike, req: Request, why: str) -> Path:
+    """Nobody will move the parked process: it falls back at once (the JIT
+    checkpoint path) instead of after ``JITCKPT_RECOVER_TIMEOUT``."""
+    return _write_answer(control_dir, req, {"fallback": why.replace('"', "'")[:190], "t": time.time()})
 
 
 @dataclass
@@ -89,21 +145,85 @@ class Moved:
     restore_s: float
     image_bytes: int
 
+    # the agent's view of a worker process (launcher/agent.py _Proc)
+    def poll(self) -> int | None:
+        return self.helper.poll()
+
+    def wait(self, timeout_s: float = 30.0) -> int | None:
+        try:
+            return self.helper.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def send(self, sig: int) -> None:
+        # the helper forwards catchable signals; SIGKILL would end only the helper
+        try:
+            if sig == 9:
+                os.kill(self.pid, sig)
+            else:
+                self.helper.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
 
 def move(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device: str,
          control_dir: str | os.PathLike, *, restore_timeout: float = 60.0) -> Moved:
     """Dump the parked process (host PID ``host_pid``; the dump ends it), restore
-    it from ``images_dir`` and answer it with ``new_device``. Raises
-    :class:`jitrun.criu.CriuError` when the dump or the restore fails (the
-    process is then not answered and falls back on its own)."""
-    d = criu.dump(host_pid, images_dir, tcp_established=False)
-    t0 = time.monotonic()
-    helper = subprocess.Popen(criu.restore_and_wait_command(images_dir), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
-    line = helper.stdout.readline().split() if helper.stdout else []
-    if len(line) < 2 or line[0] != "RESTORED":
-        helper.wait(timeout=restore_timeout)
-        raise criu.CriuError(f"restore of rank {req.rank} from {images_dir} failed: {' '.join(line) or 'no output'}")
+    it from ``images_dir`` (removed afterwards: tmpfs is memory) and answer it with
+    ``new_device``. Raises :class:`jitrun.criu.CriuError` when the dump or the
+    restore fails: the process is then not answered (after a failed dump it still
+    runs, parked: tell it with :func:`refuse`)."""
+    from .migrate_agent import dump_with_test_faults
+
+    images = Path(images_dir)
+    try:
+        d = dump_with_test_faults(host_pid, images, tcp_established=False)
+        t0 = time.monotonic()
+        helper = subprocess.Popen(criu.restore_and_wait_command(images), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        line = helper.stdout.readline().split() if helper.stdout else []
+        if len(line) < 2 or line[0] != "RESTORED":
+            helper.wait(timeout=restore_timeout)
+            raise criu.CriuError(f"restore of rank {req.rank} from {images} failed: "
+                                 f"{' '.join(line) or 'no output'}")
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
     moved = Moved(helper, int(line[1]), d.seconds, time.monotonic() - t0, d.image_bytes)
     answer(control_dir, req, new_device)
     return moved
+
+
+@dataclass
+class Shipped:
+    """A process restored on another node: ``remote`` reaches it (exit code, signals)."""
+
+    remote: object  # migrate_agent.Remote
+    dump_s: float
+    transfer_s: float
+    restore_s: float
+    image_bytes: int
+
+
+def move_to_node(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device: str,
+                 control_dir: str | os.PathLike, *, to: str, coord_store, token: str,
+                 output: str | None) -> Shipped:
+    """As :func:`move`, to node ``to``: the images (and the output file the process
+    holds open on this node's disk) go to that node's jitrun agent (its
+    ``migrate_agent.Target``), which restores the process and writes the answer at
+    ``control_dir``'s path there. Raises CriuError / MigrationError on failure."""
+    from . import migrate_agent
+
+    images = Path(images_dir)
+    try:
+        d = migrate_agent.dump_with_test_faults(host_pid, images, tcp_established=False)
+        t0 = time.monotonic()
+        got = migrate_agent.ship(coord_store, token, images, output, to, {
+            "rank": req.rank, "device": {"dir": str(control_dir), "epoch": req.epoch, "uuid": new_device}})
+    finally:
+        shutil.rmtree(images, ignore_errors=True)
+    if got.got is None:
+        raise migrate_agent.MigrationError("restore", f"node {to} did not restore rank {req.rank} in time")
+    if not got.got.get("ok"):
+        raise migrate_agent.MigrationError("restore", f"node {to}: {got.got.get('why')}")
+    return Shipped(migrate_agent.Remote(coord_store, token, got.tid, to), d.seconds, got.t_sent - t0,
+                   float(got.got.get("restore_s") or 0.0), d.image_bytes)

@@ -47,10 +47,11 @@ import subprocess
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from . import criu, migrate, transfer
+from . import criu, device_loss, migrate, transfer
 from .events import EventLog
 
 # Test hooks on the source agent: break the migration at one stage to prove the fallback.
@@ -95,42 +96,19 @@ def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, 
                                         f"(fds {paused['inet_socket_fds']}); a restore elsewhere would fail")
         stage = "dump"
         shutil.rmtree(images, ignore_errors=True)
-        fault = os.environ.get(FAULT_ENV, "")
-        extra = []
-        if fault == "kill-criu":
-            # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
-            extra = ["--action-script", str(_kill_criu_script(root))]
-        d = criu.dump(pid, images, extra_args=extra)
+        d = dump_with_test_faults(pid, images)
         dumped = True
-        if fault == "corrupt-image":
-            victim = max((p for p in images.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
-            with open(victim, "r+b") as fh:
-                b = fh.read(1)
-                fh.seek(0)
-                fh.write(bytes([b[0] ^ 0xFF]))
         # (verified where it is restored: a check here, right after the manifest was
         # computed from these very files, would only add a read of every page)
         t_dump = time.monotonic()
         events.emit("migration_dumped", gen=gen, rank=rank, to=to, image_bytes=d.image_bytes,
                     dump_s=round(d.seconds, 4), teardown_s=paused.get("teardown_s"), step=paused.get("step"))
         stage = "transfer"
-        tid = uuid.uuid4().hex
-        files = [(f"img/{p.name}", p) for p in sorted(images.iterdir()) if p.is_file()]
-        if output and Path(output).is_file():
-            files.append((f"abs{output}", Path(output)))
         resume = {"gen": gen, "prefix": prefix(token, attempt, gen), "store": list(store_addr)}
-        port_key = _k(token, "to", to, "port")
-        if not coord_store.check([port_key]):
-            raise MigrationError(stage, f"no jitrun agent of this job with --jit-migratable on listens on node {to}")
-        port = int(coord_store.get(port_key))
-        seq = coord_store.add(_k(token, "to", to, "n"), 1)
-        modes = {rel: path.stat().st_mode & 0o7777 for rel, path in files if rel.startswith("abs/")}
-        coord_store.set(_k(token, "to", to, seq), json.dumps({"id": tid, "gen": gen, "rank": rank, "modes": modes,
-                                                              "resume": resume, "ctl": str(ctl)}))
-        sent = transfer.send_stream(to, port, token, tid, files, timeout_s=restore_timeout_s())
-        t_sent = time.monotonic()
+        shipped = ship(coord_store, token, images, output, to,
+                       {"gen": gen, "rank": rank, "resume": resume, "ctl": str(ctl)})
         stage = "restore"
-        got = _wait_key(coord_store, _k(token, tid, "restored"), restore_timeout_s())
+        tid, sent, t_sent, got = shipped.tid, shipped.sent, shipped.t_sent, shipped.got
         if got is None:
             raise MigrationError(stage, f"node {to} did not restore rank {rank} within {restore_timeout_s():.0f}s "
                                         "(no jitrun agent with --jit-migratable on there, or it is gone)")
@@ -149,6 +127,35 @@ def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, 
             "pid": got.get("pid"), "pause_s": round(time.monotonic() - t0, 4)}
     events.emit("migration_restored", gen=gen, rank=rank, **done)
     return done
+
+
+@dataclass
+class Shipped:
+    tid: str
+    sent: int  # bytes
+    t_sent: float  # monotonic: the last byte left
+    got: dict | None  # the target's answer ({"ok", "pid", "restore_s", ...} or {"ok": False, "why"}); None: none came
+
+
+def ship(coord_store, token: str, images: Path, output: str | None, to: str, body: dict) -> Shipped:
+    """Send a dumped worker's ``images`` (plus its ``output`` file, held open on this
+    node's private disk) to the :class:`Target` of node ``to`` with request ``body``
+    (``rank``; ``resume`` and ``ctl`` for a jitrun migrate, ``device`` for a lost
+    device) and wait for its answer. Raises MigrationError when no target listens."""
+    tid = uuid.uuid4().hex
+    files = [(f"img/{p.name}", p) for p in sorted(images.iterdir()) if p.is_file()]
+    if output and Path(output).is_file():
+        files.append((f"abs{output}", Path(output)))
+    port_key = _k(token, "to", to, "port")
+    if not coord_store.check([port_key]):
+        raise MigrationError("transfer", f"no jitrun agent of this job with --jit-migratable on listens on node {to}")
+    port = int(coord_store.get(port_key))
+    seq = coord_store.add(_k(token, "to", to, "n"), 1)
+    modes = {rel: path.stat().st_mode & 0o7777 for rel, path in files if rel.startswith("abs/")}
+    coord_store.set(_k(token, "to", to, seq), json.dumps({"id": tid, "modes": modes, **body}))
+    sent = transfer.send_stream(to, port, token, tid, files, timeout_s=restore_timeout_s())
+    t_sent = time.monotonic()
+    return Shipped(tid, sent, t_sent, _wait_key(coord_store, _k(token, tid, "restored"), restore_timeout_s()))
 
 
 def release_peers(worker_store, token: str, gen: int, n_moving: int, n_mine: int, resume: dict) -> bool:
@@ -204,10 +211,32 @@ def _wait_key(store, key: str, timeout_s: float) -> dict | None:
     return json.loads(store.get(key))
 
 
-def _kill_criu_script(root: Path) -> Path:
+def dump_with_test_faults(pid: int, images: Path, **kw) -> criu.DumpResult:
+    """``criu.dump``, broken as ``JITCKPT_TEST_MIGRATE_FAULT`` says (tests prove the
+    fallbacks with it): ``kill-criu`` (the dumper dies mid-dump) or ``corrupt-image``
+    (one page of the images flipped after a good dump)."""
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault == "kill-criu":
+        # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
+        script = _kill_criu_script(images.parent)
+        try:
+            return criu.dump(pid, images, extra_args=["--action-script", str(script)], **kw)
+        finally:
+            script.unlink(missing_ok=True)
+    d = criu.dump(pid, images, **kw)
+    if fault == "corrupt-image":
+        victim = max((p for p in images.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
+        with open(victim, "r+b") as fh:
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    return d
+
+
+def _kill_criu_script(where: Path) -> Path:
     """Test hook: an action script that SIGKILLs the dumping criu at its first action
     (``post-dump``: images written, the tasks still frozen), as an OOM killer would."""
-    p = root / "migrate" / "kill-criu.sh"
+    p = where / "kill-criu.sh"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && kill -9 $PPID\nexit 0\n')
     p.chmod(0o700)
@@ -318,7 +347,7 @@ class Target:
             pass
 
     def _restore(self, req: dict) -> None:
-        tid, gen, rank = req["id"], int(req["gen"]), int(req["rank"])
+        tid, gen, rank = req["id"], int(req.get("gen", 0)), int(req["rank"])
         base = self._root / "migrate" / "in" / tid
         stage = base / "recv"
         shutil.rmtree(base, ignore_errors=True)
@@ -337,8 +366,9 @@ class Target:
                     os.chmod(stage / rel, int(req.get("modes", {}).get(rel, 0o644)))  # CRIU checks the mode
                     os.replace(stage / rel, dest)
             images = stage / "img"
-            ctl = Path(req["ctl"]) / f"rank{rank}"
-            ctl.mkdir(parents=True, exist_ok=True)
+            if "device" not in req:
+                ctl = Path(req["ctl"]) / f"rank{rank}"
+                ctl.mkdir(parents=True, exist_ok=True)
         except BaseException:
             helper.communicate(b"\n", timeout=30)  # told nothing: it exits without restoring
             shutil.rmtree(base, ignore_errors=True)
@@ -358,14 +388,21 @@ class Target:
         self.helpers.append(helper)
         _, pid, secs = line.split()
         shutil.rmtree(base, ignore_errors=True)  # CRIU needs the images no more
-        env = {"JITCKPT_NODE": self._node}
-        for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
-            if k in os.environ:
-                env[k] = os.environ[k]
-        body = {**req["resume"], "env": env}
-        tmp = ctl / f".resume-{gen}.tmp"
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, ctl / f"resume-{gen}.json")
+        if "device" in req:
+            # a parked process whose device died (device_loss.py): it attaches this one
+            dev = req["device"]
+            Path(dev["dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+            device_loss.answer(dev["dir"], device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()),
+                               str(dev["uuid"]))
+        else:
+            env = {"JITCKPT_NODE": self._node}
+            for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+                if k in os.environ:
+                    env[k] = os.environ[k]
+            body = {**req["resume"], "env": env}
+            tmp = ctl / f".resume-{gen}.tmp"
+            tmp.write_text(json.dumps(body))
+            os.replace(tmp, ctl / f"resume-{gen}.json")
         self._answer(tid, {"ok": True, "pid": int(pid), "restore_s": float(secs),
                            "recv_s": round(t_recv - t0, 4), "node": self._node})
         self._events.emit("migration_arrived", gen=gen, rank=rank, pid=int(pid), restore_s=float(secs),

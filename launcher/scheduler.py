@@ -18,6 +18,15 @@ ranks move there live (``jitrun migrate``, needs ``--jit-migratable on``).
 ``restart`` (what ``local`` answers) stops them with a JIT checkpoint and restarts
 without the device when enough remain.
 
+A device that died under a live process of a ``--jit-migratable on`` job (the
+shim parked the process: ``launcher/device_loss.py``) is described with
+``"event": "device_lost"``, its ``rank``, ``failed_devices`` and the healthy
+devices no local rank uses (``spare_devices``, NVML UUIDs). The hook answers
+``{"action": "migrate", "to": "<node address>", "device": "<UUID>"}`` (the
+process moves there and attaches that device) or ``restart`` (it falls back to
+the JIT checkpoint path at once). ``local`` moves it onto this node's first
+spare device, else restarts.
+
 ``slurm``: jitrun runs inside a Slurm allocation (checked by parse_hook).
 After a failure every lost node (``lost_nodes``: agent vanished) is drained with
 reason "jitrun: ..."; one surviving agent (the first of sorted ``hosts``, so
@@ -58,6 +67,7 @@ class Placement:
     env: dict[str, str] = field(default_factory=dict)
     visible_devices: str | None = None
     to: str | None = None  # action "migrate": the target node's address
+    device: str | None = None  # event "device_lost", action "migrate": the device to attach there
 
 
 def parse_hook(spec: str) -> str:
@@ -80,6 +90,11 @@ def parse_hook(spec: str) -> str:
 
 
 def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
+    if spec == "local" and failure.get("event") == "device_lost":
+        spares = failure.get("spare_devices") or []
+        if spares:
+            return Placement(action="migrate", to=str(failure["node"]["addr"]), device=str(spares[0]))
+        return Placement()
     if spec == "local":
         devices = failure.get("devices")
         bad = set(failure.get("failed_devices") or [])
@@ -105,19 +120,26 @@ def place(spec: str, failure: dict, timeout_s: float = 60.0) -> Placement:
         ans = json.loads(out)
     except ValueError:
         raise SchedulerError(f"scheduler hook {path} answered non-JSON: {out[:200]!r}") from None
-    actions = ("restart", "abort", "migrate") if failure.get("event") == "device_unhealthy" else ("restart", "abort")
+    live = failure.get("event") in ("device_unhealthy", "device_lost")
+    actions = ("restart", "abort", "migrate") if live else ("restart", "abort")
     if not isinstance(ans, dict) or ans.get("action", "restart") not in actions:
         raise SchedulerError(f"scheduler hook {path}: 'action' must be one of {', '.join(actions)}, got {ans!r}")
     to = ans.get("to")
     if ans.get("action") == "migrate" and not (isinstance(to, str) and to):
         raise SchedulerError(f"scheduler hook {path}: 'migrate' needs 'to', the target node's address; got {ans!r}")
+    dev = ans.get("device")
+    if failure.get("event") == "device_lost" and ans.get("action") == "migrate" and not (
+            isinstance(dev, str) and dev and len(dev) < 64 and '"' not in dev):
+        raise SchedulerError(f"scheduler hook {path}: 'migrate' of a lost device needs 'device', the UUID of the "
+                             f"device to attach on the target (under 64 characters); got {ans!r}")
     env = ans.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SchedulerError(f"scheduler hook {path}: 'env' must map strings to strings")
     vis = ans.get("visible_devices")
     if vis is not None and not isinstance(vis, str):
         raise SchedulerError(f"scheduler hook {path}: 'visible_devices' must be a string like \"0,2\", got {vis!r}")
-    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis, to=to)
+    return Placement(action=ans.get("action", "restart"), env=env, visible_devices=vis, to=to,
+                     device=dev if failure.get("event") == "device_lost" else None)
 
 
 def _warn(msg: str) -> None:

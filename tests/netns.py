@@ -101,15 +101,18 @@ class Node:
         return [self.cluster.ip, "netns", "exec", self.ns]
 
     def run(self, cmd: list[str], *, name: str, env: dict | None = None, private_dirs: tuple[str, ...] = (),
-            keep: tuple[tuple[str, str], ...] = ()) -> Proc:
+            keep: tuple[tuple[str, str], ...] = (), shared_shm: bool = False) -> Proc:
         """Start ``cmd`` on this node in a private mount namespace.
 
         ``private_dirs``: host paths that get a fresh tmpfs (0700) visible only
         to this process tree; ``/dev/shm`` always does. ``keep``: (src, dst)
         copies made after ``cmd`` exits (the tmpfs vanishes with the mount
         namespace), so a test can read a node's event log afterwards.
+        ``shared_shm``: keep the host's ``/dev/shm``, for the CUDA/NCCL stand-in only:
+        its NCCL carries data between ranks through host shared memory, so there it
+        is the nodes' interconnect, not their disk (``--jit-dir`` stays private).
         """
-        mounts = ["mount -t tmpfs -o mode=1777 jitshm /dev/shm"]
+        mounts = ["true"] if shared_shm else ["mount -t tmpfs -o mode=1777 jitshm /dev/shm"]
         for d in private_dirs:
             os.makedirs(d, exist_ok=True)
             mounts.append(f"mount -t tmpfs -o mode=0700 jitnode {shlex.quote(d)}")

@@ -12,7 +12,8 @@
  *      polling with no fd open, for device-resume-<rank>-<epoch>.json. Meanwhile
  *      whoever drives migration (launcher/device_loss.py) dumps the process
  *      with CRIU, restores it where a healthy device is, and writes the resume
- *      file there with the new device's identity;
+ *      file there with the new device's identity, or ({"fallback": why}) tells
+ *      it nobody will, and the epoch falls back at once instead of at the bound;
  *   3. attaches the new device and re-makes every live allocation at the
  *      address the application holds (on the stand-in jitsimMallocAt; on a GPU
  *      that would be cuMemAddressReserve at the old address + cuMemCreate/Map,
@@ -39,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -141,8 +143,9 @@ static int write_atomic(const char *path, const char *text) {
   return 0;
 }
 
-/* The resume file's "uuid" value; 1 when found. No fd stays open. */
-static int read_uuid(const char *path, char *out, size_t n) {
+/* The resume file's "uuid" value (1), or its "fallback" reason (2: nobody will
+ * move this process; out holds the reason); 0 while there is none. No fd stays open. */
+static int read_resume(const char *path, char *out, size_t n) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return 0;
   char buf[1024];
@@ -150,21 +153,30 @@ static int read_uuid(const char *path, char *out, size_t n) {
   close(fd);
   if (k <= 0) return 0;
   buf[k] = 0;
+  int kind = 1;
   char *p = strstr(buf, "\"uuid\"");
-  if (!p || !(p = strchr(p + 6, '"'))) return 0;
+  if (!p) {
+    p = strstr(buf, "\"fallback\"");
+    kind = 2;
+  }
+  if (!p || !(p = strchr(p + (kind == 1 ? 6 : 10), ':')) || !(p = strchr(p, '"'))) return 0;
   char *e = strchr(++p, '"');
-  if (!e || e == p || (size_t)(e - p) >= n) return 0;
-  memcpy(out, p, (size_t)(e - p));
-  out[e - p] = 0;
-  return 1;
+  if (!e || e == p) return 0;
+  size_t len = (size_t)(e - p);
+  if (kind == 1 && len >= 64) return 0; /* a device name is short and never cut */
+  if (len >= n) {
+    len = n - 1; /* a reason may be cut short */
+  }
+  memcpy(out, p, len);
+  out[len] = 0;
+  return kind;
 }
+
+static const char *park_and_replace(int rank, int epoch, double bound_s, const char *old);
 
 const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   cudaError_t (*detach)(void) = (cudaError_t(*)(void))sim_sym("jitsimDeviceDetach");
-  cudaError_t (*replace)(const char *) = (cudaError_t(*)(const char *))sim_sym("jitsimDeviceReplace");
-  cudaError_t (*malloc_at)(void *, size_t) = (cudaError_t(*)(void *, size_t))sim_sym("jitsimMallocAt");
   const char *(*uuid_of)(void) = (const char *(*)(void))sim_sym("jitsimDeviceUuid");
-  const char *dir = ji_getenv("JITCKPT_DEVICE_DIR");
   char old[64];
   snprintf(old, sizeof old, "%s", uuid_of ? uuid_of() : "?");
   ji_tls_depth++;
@@ -172,6 +184,22 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   ji_tls_depth--;
   ji_store_close();
 
+  /* A launcher may make the process die with its parent (jitrun's migratable
+   * wrapper: PR_SET_PDEATHSIG). CRIU restores that, and a restored task's parent is
+   * criu itself until it exits: the signal would kill it right after the restore.
+   * Off while parked, on again under the new parent. */
+  int pdeath = 0;
+  prctl(PR_GET_PDEATHSIG, &pdeath, 0, 0, 0);
+  prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
+  const char *why = park_and_replace(rank, epoch, bound_s, old);
+  prctl(PR_SET_PDEATHSIG, pdeath, 0, 0, 0);
+  return why;
+}
+
+static const char *park_and_replace(int rank, int epoch, double bound_s, const char *old) {
+  cudaError_t (*replace)(const char *) = (cudaError_t(*)(const char *))sim_sym("jitsimDeviceReplace");
+  cudaError_t (*malloc_at)(void *, size_t) = (cudaError_t(*)(void *, size_t))sim_sym("jitsimMallocAt");
+  const char *dir = ji_getenv("JITCKPT_DEVICE_DIR");
   char lost[4200], resume[4200], text[512];
   snprintf(lost, sizeof lost, "%s/device-lost-%d-%d.json", dir, rank, epoch);
   snprintf(resume, sizeof resume, "%s/device-resume-%d-%d.json", dir, rank, epoch);
@@ -186,11 +214,16 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
 
   /* Wall clock: CLOCK_MONOTONIC does not carry over to another machine. */
   char uuid[64];
+  static char refused[200]; /* only this (the recovering) thread gets here */
   double parked = wall(), end = parked + bound_s;
-  while (!read_uuid(resume, uuid, sizeof uuid)) {
+  int got;
+  while (!(got = read_resume(resume, refused, sizeof refused))) {
     if (wall() > end) return "device lost: no new device within JITCKPT_RECOVER_TIMEOUT (was the process moved?)";
     usleep(20000);
   }
+  if (got == 2) return refused;
+  memcpy(uuid, refused, sizeof uuid); /* read_resume: a uuid is under 64 bytes */
+  uuid[sizeof uuid - 1] = 0;
   ji_tls_depth++;
   cudaError_t r = replace(uuid);
   ji_tls_depth--;

@@ -472,7 +472,11 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   }
   if (lost) {
     const char *w = ji_dev_park_and_replace(me, epoch, cfg_bound);
-    if (w) fallback(&ri, w);
+    if (w) { /* joined with "bad": the others learn it now, not at the bound */
+      key(k, sizeof k, "join", epoch, -1);
+      ji_store_add(k, 1, NULL, 5.0);
+      fallback(&ri, w);
+    }
     atomic_store(&ji_dev_lost, 0);
     deadline = ji_now() + cfg_bound; /* the process may have moved: a new clock */
   }

@@ -16,6 +16,8 @@
  * DP_FAULTS_FIRST_ATTEMPT=1: JITSIM_* faults only when
  * TORCHELASTIC_RESTART_COUNT is 0. DP_STEP_MS: host work (a sleep) at the start of each step, after
  * writing the step number to DIR/progress.RANK (default 0: neither).
+ * DP_GATE=<step>:<path>: at the start of that step, wait until <path> exists (a
+ * test holds the job there until everything it needs is up).
  */
 #include "common.h"
 
@@ -188,6 +190,7 @@ int main(int argc, char **argv) {
     unsetenv("JITSIM_HANG_AT");
     unsetenv("JITSIM_NCCL_ERROR_AT");
     unsetenv("JITSIM_STICKY_ERROR_AT");
+    unsetenv("JITSIM_STICKY_COLL_AT");
   }
   printf("PID %d\n", (int)getpid());
   fflush(stdout);
@@ -201,6 +204,9 @@ int main(int argc, char **argv) {
   dp_setup(rank, nranks, dir);
   for (int step = 0; step < steps; step++) {
     if (mb_begin) mb_begin();
+    const char *gate = getenv("DP_GATE");
+    if (gate && atoi(gate) == step && strchr(gate, ':'))
+      while (access(strchr(gate, ':') + 1, F_OK)) usleep(10000);
     if (step_ms) { /* host-side work at the start of the step (data loading) */
       char pp[4200];
       snprintf(pp, sizeof pp, "%s/progress.%d", dir, rank);
