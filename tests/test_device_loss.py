@@ -229,7 +229,9 @@ def jitrun_dp(tmp: Path, per_rank: dict[int, dict[str, str]], nvml_devices: int,
     cmd = [str(JITRUN), "--nproc-per-node", str(NR), "--no-python", "--jit-intercept", "on",
            "--jit-migratable", "on", "--jit-timeout", "1", "--max-restarts", str(restarts),
            "--jit-dir", str(tmp / "jit"), *extra, *prog]
-    p = subprocess.run(cmd, env=e, cwd=tmp, capture_output=True, text=True, timeout=180)
+    with st.Job(tmp) as job:  # the stand-in NCCL's /dev/shm segments carry its tag: removed after
+        e["JITSIM_JOB"] = job.tag
+        p = subprocess.run(cmd, env=e, cwd=tmp, capture_output=True, text=True, timeout=180)
     res: dict = {"rc": p.returncode, "log": p.stdout + p.stderr, "out": {}, "final": {}, "buf": {}}
     outs = sorted((tmp / "jit").glob("**/migrate/out/rank*.log"))
     for r in range(NR):
