@@ -23,16 +23,16 @@ all: build
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
 $(VENV)/bin/python:
 	@python3 -c 'import ensurepip, venv' 2>/dev/null || \
-	  { apt-get update -qq && apt-get install -y -qq python3-venv; }
+	  scripts/apt_install.sh python3-venv
 	python3 -m venv $(VENV)
 
 # Python deps (torch pinned to the local CPU wheel) into the venv. Stamped so
 # re-runs cost nothing.
 $(VENV)/.stamp-setup: pyproject.toml | $(VENV)/bin/python
 	@command -v cc >/dev/null && command -v make >/dev/null || \
-	  { apt-get update -qq && apt-get install -y -qq build-essential; }
+	  scripts/apt_install.sh build-essential
 	@python3 -c 'import ctypes; ctypes.CDLL("libisal.so.2")' 2>/dev/null || \
-	  { apt-get update -qq && apt-get install -y -qq libisal-dev; }
+	  scripts/apt_install.sh libisal-dev
 	$(PIP) install -q -e '.[test,bench]'
 	@touch $@
 setup: $(VENV)/.stamp-setup

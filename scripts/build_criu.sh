@@ -102,7 +102,7 @@ if [[ -z "$sys_criu" ]]; then
     cand="$(apt-cache policy criu 2>/dev/null | awk '/Candidate:/ {print $2}')"
     if [[ -n "$cand" && "$cand" != "(none)" ]] && dpkg --compare-versions "$cand" ge 4.0; then
         say "installing the distribution's criu $cand"
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq criu >/dev/null 2>&1 || true
+        "$ROOT/scripts/apt_install.sh" criu >/dev/null 2>&1 || true
         sys_criu="$(PATH="$PATH:/usr/sbin:/sbin" command -v criu || true)"
     else
         say "distribution's criu is ${cand:-unavailable} (< 4.0 fails at start on this kernel): using CRIU $VERSION from source"
@@ -129,7 +129,7 @@ for p in "${BUILD_DEPS[@]}"; do
 done
 if (( ${#missing[@]} )); then
     say "installing build deps: ${missing[*]}"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null \
+    "$ROOT/scripts/apt_install.sh" "${missing[@]}" >/dev/null \
         || fail "apt-get install ${missing[*]} failed; install them by hand and re-run"
 fi
 
