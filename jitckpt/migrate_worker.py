@@ -292,24 +292,44 @@ def _key(token: str, *parts: object) -> str:
 
 
 class Watch:
-    """At every minibatch start: one ``add(gen, 0)`` on the job's store (~0.1 ms)."""
+    """At every minibatch start: one ``add(gen, 0)`` on the job's store (~0.1 ms).
+
+    Every rank must pause at the *same* minibatch start: a rank whose poll at the
+    start of step s came just before the request would run step s's collectives
+    against peers that paused at s and tore their groups down. So the first rank to
+    see a request fixes the pause step, s+1, with one ``compare_set`` (first writer
+    wins) and every rank pauses at the start of that step. That step has not begun
+    anywhere: a data-parallel rank reaches the start of s+1 only after every rank
+    joined step s's all-reduce, hence after it had polled at the start of s. A rank
+    without per-step collectives that sees the request later than that pauses at
+    once: with nothing in flight between ranks, no peer can be stranded."""
 
     def __init__(self, store, token: str) -> None:
         self.store = store
         self.token = token
         self.seen = int(store.add(_key(token, "gen"), 0))
+        self.pending: tuple[int, dict, int] | None = None
 
-    def poll(self) -> tuple[int, dict] | None:
-        n = int(self.store.add(_key(self.token, "gen"), 0))
-        if n <= self.seen:
-            return None
-        self.seen = n
-        deadline = time.monotonic() + 10
-        while not self.store.check([_key(self.token, n, "req")]):  # the requester is between add and set
-            if time.monotonic() > deadline:
+    def poll(self, step: int) -> tuple[int, dict] | None:
+        """The request to pause for at the start of minibatch ``step``, or None."""
+        if self.pending is None:
+            n = int(self.store.add(_key(self.token, "gen"), 0))
+            if n <= self.seen:
                 return None
-            time.sleep(0.005)
-        return n, json.loads(self.store.get(_key(self.token, n, "req")))
+            self.seen = n
+            deadline = time.monotonic() + 10
+            while not self.store.check([_key(self.token, n, "req")]):  # the requester is between add and set
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.005)
+            req = json.loads(self.store.get(_key(self.token, n, "req")))
+            at = int(self.store.compare_set(_key(self.token, n, "at"), "", str(step + 1)))
+            self.pending = (n, req, at)
+        n, req, at = self.pending
+        if step < at:
+            return None
+        self.pending = None
+        return n, req
 
 
 class MigrationFailed(RuntimeError):
@@ -353,7 +373,7 @@ def at_minibatch_start(watch: Watch, rank: int, world_size: int, ctl_root: str |
     peer keeps its store client and waits for the ``resume`` key (or ``failed``:
     MigrationFailed). ``stop()``: a reason to give up waiting (e.g. a SIGTERM), or
     None. Returns (gen, request, new store client or None, new Watch)."""
-    got = watch.poll()
+    got = watch.poll(step)
     if got is None:
         return None
     gen, req = got

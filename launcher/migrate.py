@@ -188,18 +188,23 @@ def main(argv: list[str]) -> int:
     else:
         ranks = sorted(set(args.rank))
     gen = request(store, token, ranks, args.to)
-    print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for their next minibatch start",
-          flush=True)
+    print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for every rank to pause at a "
+          "minibatch start", flush=True)
     ok, failed = key(token, gen, "resume"), key(token, gen, "failed")
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
-        if store.check([failed]):
-            print(f"jitrun migrate: migration {gen} FAILED: {store.get(failed).decode(errors='replace')}; the job "
-                  "takes a JIT checkpoint and restarts", file=sys.stderr)
+        try:
+            if store.check([failed]):
+                print(f"jitrun migrate: migration {gen} FAILED: {store.get(failed).decode(errors='replace')}; the "
+                      "job takes a JIT checkpoint and restarts", file=sys.stderr)
+                return 1
+            if store.check([ok]):
+                print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {args.to}")
+                return 0
+        except dist.DistError as e:  # the store's host ended: the job finished or restarted meanwhile
+            print(f"jitrun migrate: the job's store closed before migration {gen} had an outcome ({e}); the job "
+                  "ended or restarted: see its events.jsonl", file=sys.stderr)
             return 1
-        if store.check([ok]):
-            print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {args.to}")
-            return 0
         time.sleep(0.1)
     print(f"jitrun migrate: no outcome of migration {gen} within {args.timeout:g}s (see the job's events.jsonl)",
           file=sys.stderr)

@@ -378,3 +378,28 @@ def test_store_request_pauses_every_rank_at_its_next_minibatch_start(criu_bin, l
         steps = [int(ln.split()[0]) for ln in _steps(ctl, r)]
         assert steps == list(range(STEPS)), "every minibatch exactly once: none redone"
         assert _losses(ctl, r) == _losses(ref_ctl, r)
+
+
+def test_every_rank_pauses_at_the_same_minibatch_start_whenever_it_saw_the_request():
+    """The race a whole-node migration hit under load: rank 0 polled at the start
+    of step 5 just before the request came, rank 1 just after. Had rank 1 paused at
+    5 it would have torn its group down under rank 0's step-5 collectives. The
+    first rank to see the request fixes the pause at the next step for all; a rank
+    that sees it only past that step (no per-step collectives) pauses at once."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from jitrun import migrate
+
+    from jitckpt import migrate_worker as mw
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    w0, w1, w2 = (mw.Watch(server, "tok") for _ in range(3))
+    assert w0.poll(5) is None  # rank 0 is into step 5
+    gen = migrate.request(server, "tok", rank=1, to="x")
+    assert w1.poll(5) is None, "rank 1 must not pause where rank 0 already runs on"
+    assert w1.poll(6)[0] == gen
+    assert w0.poll(6)[0] == gen
+    assert w2.poll(9)[0] == gen  # far past the pause step: at once
+    assert w0.poll(7) is None and w1.poll(7) is None  # once per request
+    gen2 = migrate.request(server, "tok", rank=0, to="x")
+    assert w1.poll(7) is None and w1.poll(8)[0] == gen2
