@@ -490,7 +490,7 @@ class JitAgent(LocalElasticAgent):
         except scheduler.SchedulerError as e:
             print(f"jitrun: {e}; restarting without the device instead", file=sys.stderr, flush=True)
             placement = scheduler.Placement()
-        if placement.action == "migrate" and migrate.enabled():
+        if placement.action == "migrate" and migrate.enabled() and migrate.pausable():
             gen = migrate.request(self._reader_store(wg), self._jit.token, ranks, str(placement.to))
             self._events.emit("migration_requested", gen=gen, ranks=ranks, to=placement.to, why="device_unhealthy",
                               devices=sorted(failing))
@@ -498,8 +498,10 @@ class JitAgent(LocalElasticAgent):
                   f"{placement.to}", file=sys.stderr, flush=True)
             return
         if placement.action == "migrate":
-            print("jitrun: the scheduler hook asked to migrate, but the job runs without --jit-migratable on; "
-                  "restarting without the device instead", file=sys.stderr, flush=True)
+            why = ("its workers run without jitckpt's runtime (--no-python): no minibatch start to pause at"
+                   if migrate.enabled() else "the job runs without --jit-migratable on")
+            print(f"jitrun: the scheduler hook asked to migrate, but {why}; restarting without the device instead",
+                  file=sys.stderr, flush=True)
         # the ranks take their JIT checkpoint and exit; the failure path restarts the job
         procs = self._procs(wg)
         for r in ranks:

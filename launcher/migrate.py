@@ -29,6 +29,15 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+# A --no-python program has no jitckpt runtime, so no minibatch start to pause at:
+# only the shim's lost-device move (launcher/device_loss.py) applies to it.
+NO_PAUSE_ENV = "JITRUN_MIGRATE_NO_PAUSE"
+
+
+def pausable() -> bool:
+    return os.environ.get(NO_PAUSE_ENV) != "1"
+
+
 def wrap(cmd: str, cmd_args: list[str]) -> tuple[str, list[str]]:
     """(cmd, cmd_args) of torchrun's worker command, run migratable."""
     from . import criu
@@ -129,7 +138,7 @@ def publish(store, token: str, root: Path, ranks: dict, store_addr: tuple[str, i
         tmp = path.with_name(f".{CONTROL}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"store": list(store_addr), "token": token, "t": time.time()}, f)
+            json.dump({"store": list(store_addr), "token": token, "pausable": pausable(), "t": time.time()}, f)
         os.replace(tmp, path)
     except OSError as e:
         print(f"jitrun: could not write {path} ({e}); `jitrun migrate` on this node will not reach the job",
@@ -162,6 +171,11 @@ def main(argv: list[str]) -> int:
         return 2
     except (OSError, ValueError) as e:
         print(f"jitrun migrate: error: {ctl}: {e}", file=sys.stderr)
+        return 2
+    if not c.get("pausable", True):
+        print("jitrun migrate: error: this job's workers run a program without jitckpt's Python runtime "
+              "(--no-python), so they have no minibatch start to pause at; jitrun migrate moves Python "
+              "workers only (a lost device is still moved: JITCKPT_ON_DEVICE_LOSS=migrate)", file=sys.stderr)
         return 2
     import socket
 

@@ -37,6 +37,7 @@ def test_migratable_job_runs_and_records_where_ranks_run(tmp_path, reference):
     # the workers' output went to their files, not through the agent
     assert "step" in (job.jit_dir / "migrate" / "out" / "rank0.a0.log").read_text()
     assert job.of("migratable_workers"), job.events()
+    assert json.loads((job.jit_dir / "migrate" / "control.json").read_text())["pausable"] is True
 
 
 def test_migratable_job_still_recovers_through_jit_restart(tmp_path, reference):
@@ -103,3 +104,21 @@ def test_wrapper_forwards_signals_and_exit_status(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_migrate_refuses_a_no_python_job_in_one_line(tmp_path):
+    """A --no-python program has no jitckpt runtime and so no minibatch start to
+    pause at: `jitrun migrate` says so at once (exit 2) instead of waiting out its
+    timeout. Python jobs stay pausable."""
+    jit = tmp_path / "jit"
+    cp = subprocess.run([sys.executable, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", "1",
+                         "--jit-migratable", "on", "--jit-dir", str(jit), "--no-python", "true"],
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    control = json.loads((jit / "migrate" / "control.json").read_text())
+    assert control["pausable"] is False, control
+    cp = subprocess.run([sys.executable, "-m", "jitrun.cli", "migrate", "--jit-dir", str(jit), "--rank", "0",
+                         "--to", "10.0.0.9"], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 2, cp.stdout + cp.stderr
+    assert "--no-python" in cp.stderr and "Traceback" not in cp.stderr and len(cp.stderr.splitlines()) == 1, \
+        cp.stderr
