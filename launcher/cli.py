@@ -400,10 +400,7 @@ def run(args) -> int:
         from . import migrate
 
         os.environ[migrate.ENV] = "1"
-        if args.no_python:
-            os.environ[migrate.NO_PAUSE_ENV] = "1"
-        else:
-            os.environ.pop(migrate.NO_PAUSE_ENV, None)
+        os.environ[migrate.NO_PAUSE_ENV] = "1" if args.no_python else "0"
         cmd, cmd_args = migrate.wrap(cmd, cmd_args)
         if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
             # a sticky device error parks the process for a move to a new device

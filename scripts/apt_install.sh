@@ -15,6 +15,7 @@ for p in "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 (( ${#missing[@]} )) || exit 0
+echo "apt_install: installing ${missing[*]}" >&2
 apt=(apt-get -o DPkg::Lock::Timeout=600 -qq)
 "${apt[@]}" update
 DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "${missing[@]}"

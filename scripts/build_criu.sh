@@ -123,15 +123,8 @@ if [[ -x "$CACHE/criu" && "$(cat "$CACHE/stamp" 2>/dev/null)" == "$stamp" ]] && 
     exit 0
 fi
 
-missing=()
-for p in "${BUILD_DEPS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if (( ${#missing[@]} )); then
-    say "installing build deps: ${missing[*]}"
-    "$ROOT/scripts/apt_install.sh" "${missing[@]}" >/dev/null \
-        || fail "apt-get install ${missing[*]} failed; install them by hand and re-run"
-fi
+"$ROOT/scripts/apt_install.sh" "${BUILD_DEPS[@]}" >/dev/null \
+    || fail "installing the build deps (${BUILD_DEPS[*]}) failed; install them by hand and re-run"
 
 src="$CACHE/$TARBALL"
 if ! echo "$SHA256  $src" | sha256sum -c --status 2>/dev/null; then
