@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Job, assert_same_state
+from conftest import ROOT, UPSTREAM_EXIT_ABORT, Job, assert_same_state
 
 WORKER = ROOT / "tests" / "torchrun_stale_peers_worker.py"
 ARGS = ["2", "10"]  # 2 epochs of 32 minibatches per rank, the tutorial's snapshot every 10 epochs
@@ -95,11 +95,18 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = HA
         return None, out
 
 
-def _torchrun(tmp: Path, env: dict | None = None) -> tuple[int | None, str, Path]:
+def _torchrun(tmp: Path, env: dict | None = None, again: bool = True) -> tuple[int | None, str, Path]:
+    """Plain torchrun is the baseline here, not the system under test: a run that died of the
+    upstream gloo exit abort (conftest.UPSTREAM_EXIT_ABORT) runs again once, in a directory of its
+    own (the tutorial would resume from the first run's snapshot.pt)."""
     out = tmp / "final.pt"
     rc, log = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "--max-restarts", "1", str(WORKER), *ARGS, "--out", str(out)], cwd=tmp, env=env)
     (tmp / "torchrun.log").write_text(log)
+    if again and rc not in (0, None) and UPSTREAM_EXIT_ABORT in log and "SIGABRT" in log:
+        print("torchrun hit the upstream gloo exit abort (pytorch#190489); running it again")
+        (tmp / "again").mkdir()
+        return _torchrun(tmp / "again", env, again=False)
     return rc, log, out
 
 

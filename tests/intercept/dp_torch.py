@@ -34,7 +34,9 @@ def main() -> None:
     if os.environ.get("DP_FAULTS_FIRST_ATTEMPT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         for k in ("JITSIM_HANG_AT", "JITSIM_NCCL_ERROR_AT", "JITSIM_STICKY_ERROR_AT"):
             os.environ.pop(k, None)  # the stand-in reads them lazily: the restarted job runs clean
-    print(f"PID {os.getpid()}", flush=True)
+    # One write(2): torchrun runs workers with `python -u`, where print() writes the text and its
+    # newline in two calls, so three ranks starting together interleave ("PID 1PID 2\n\n").
+    os.write(1, f"PID {os.getpid()}\n".encode())
     if lib.dp_setup(rank, world, out.encode()) != 0:
         raise SystemExit("dp_setup failed")
     marker = torch.zeros(1, requires_grad=True)  # host-side stand-in of the model's loss graph
