@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,13 +50,29 @@ def _shm_mapped() -> set[str]:
     return names
 
 
+# TMPDIR of every process the suite starts: torchrun's agent makes a log dir
+# (/tmp/torchelastic_*) per run and never removes it, multiprocessing a pymp-*
+# dir per process tree it loses to a kill, the benchmarks their work dirs; a CI
+# run left ~340 of them. They land here, one dir per session (named for its
+# PID, so concurrent runs stay apart), removed when the session ends. This
+# process keeps the system default (tempfile caches it before TMPDIR changes):
+# pytest's tmp_path dirs stay where failures can be read after the run.
+_CHILD_TMP: Path | None = None
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
+    global _CHILD_TMP
     _shm_at_start.update(_shm_entries())
+    tempfile.gettempdir()
+    _CHILD_TMP = Path(tempfile.mkdtemp(prefix=f"jitckpt-tests-{os.getpid()}-"))
+    os.environ["TMPDIR"] = str(_CHILD_TMP)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     import time
 
+    if _CHILD_TMP is not None:
+        shutil.rmtree(_CHILD_TMP, ignore_errors=True)
     leaked = _shm_entries() - _shm_at_start - _shm_mapped()
     # A concurrent run's job that just died leaves its semaphores to its resource
     # tracker for a moment: only what is still there seconds later is a leak.
