@@ -63,7 +63,7 @@ _CHILD_TMP: Path | None = None
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _CHILD_TMP
     _shm_at_start.update(_shm_entries())
-    tempfile.gettempdir()
+    tempfile.gettempdir()  # fixes this process's default before TMPDIR changes
     _CHILD_TMP = Path(tempfile.mkdtemp(prefix=f"jitckpt-tests-{os.getpid()}-"))
     os.environ["TMPDIR"] = str(_CHILD_TMP)
 
@@ -124,11 +124,16 @@ def run_tree(cmd: list[str], env: dict | None = None, timeout: float = 180, cwd:
 UPSTREAM_EXIT_ABORT = "terminate called without an active exception"
 
 
+def died_of_upstream_exit_abort(returncode: int | None, output: str) -> bool:
+    """Whether a plain-torchrun baseline failed of the abort above (None: still running, killed)."""
+    return returncode not in (0, None) and UPSTREAM_EXIT_ABORT in output and "SIGABRT" in output
+
+
 def run_reference(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """A failure-free baseline under plain torchrun (not the system under test): run again, once,
     when it died of the upstream exit abort above, and say so; anything else is returned as is."""
     cp = run_tree(cmd, **kw)
-    if cp.returncode != 0 and UPSTREAM_EXIT_ABORT in cp.stdout and "SIGABRT" in cp.stdout:
+    if died_of_upstream_exit_abort(cp.returncode, cp.stdout):
         print(f"reference run hit the upstream gloo exit abort (pytorch#190489); running it again: {cmd[3:6]}")
         cp = run_tree(cmd, **kw)
     return cp

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, UPSTREAM_EXIT_ABORT, Job, assert_same_state
+from conftest import ROOT, Job, assert_same_state, died_of_upstream_exit_abort
 
 WORKER = ROOT / "tests" / "torchrun_stale_peers_worker.py"
 ARGS = ["2", "10"]  # 2 epochs of 32 minibatches per rank, the tutorial's snapshot every 10 epochs
@@ -103,7 +103,7 @@ def _torchrun(tmp: Path, env: dict | None = None, again: bool = True) -> tuple[i
     rc, log = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "--max-restarts", "1", str(WORKER), *ARGS, "--out", str(out)], cwd=tmp, env=env)
     (tmp / "torchrun.log").write_text(log)
-    if again and rc not in (0, None) and UPSTREAM_EXIT_ABORT in log and "SIGABRT" in log:
+    if again and died_of_upstream_exit_abort(rc, log):
         print("torchrun hit the upstream gloo exit abort (pytorch#190489); running it again")
         (tmp / "again").mkdir()
         return _torchrun(tmp / "again", env, again=False)
