@@ -113,6 +113,20 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
+def attach() -> None:
+    """The runtime for a Python process started by a ``--no-python`` program
+    (jitckpt/_autoload/sitecustomize.py): what ``main`` sets up before the
+    script. The end of the process is the interpreter's, and no "finished"
+    report is sent: an atexit handler cannot tell a clean end from
+    ``sys.exit(1)``; the agent learns it from the exit code instead."""
+    from . import api
+
+    api.install()
+    _set_title(sys.argv if sys.argv and sys.argv[0] else ["python"])
+    _keep_groups()
+    _track_open()
+
+
 def main() -> NoReturn:
     from . import api
 
@@ -122,6 +136,7 @@ def main() -> NoReturn:
         sys.exit("usage: python -m jitckpt._bootstrap (SCRIPT | -m MODULE) [ARGS...]")
     if argv[0] == "-m" and len(argv) < 2:
         sys.exit("jitckpt._bootstrap: -m needs a module name")
+    _set_title(argv)
     _keep_groups()
     _track_open()
     try:
@@ -159,6 +174,22 @@ def main() -> NoReturn:
         sys.excepthook(type(e), e, e.__traceback__)
         _exit(1)
     _exit(code)
+
+
+def _set_title(argv: list[str]) -> None:
+    """What ``ps``/``top``/``py-spy`` show for this worker: jitrun, the global
+    rank, the world size and the user's program with its arguments. A worker
+    forked from the warm-start server would otherwise show the server's
+    command line, and nobody could tell which process is rank 3."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None:
+        return
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # an install without it: the title stays the interpreter's
+        return
+    prog = [os.path.basename(argv[0]), *argv[1:]] if argv[0] != "-m" else argv
+    setproctitle(f"jitrun[rank {rank}/{world or '?'}] " + " ".join(prog))
 
 
 def _record_error(e: BaseException) -> None:

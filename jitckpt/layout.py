@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,45 @@ def claim_root(root: Path, job_id: str) -> None:
         job_file,
         json.dumps({"job_id": job_id, "created": time.time(), "format": FORMAT_VERSION}).encode(),
     )
+
+
+RANKS_FILE = "ranks.json"
+_ranks_lock = threading.Lock()  # the agent's main thread and its migration target thread both update it
+
+
+def update_ranks(root: Path, ranks: dict[int, dict] | None = None, *, drop: tuple[int, ...] = (),
+                 replace: bool = False) -> None:
+    """``<root>/ranks.json``: global rank -> {pid, node, host, attempt} of the
+    ranks running on this node now, so an operator can find rank R's process
+    to profile, attach to or stop. Each node's file lists its own ranks.
+    ``replace``: this node's agent started its workers; entries of ranks
+    migrated in (``"migrated_in"``) whose process still lives are kept."""
+    with _ranks_lock:
+        path = root / RANKS_FILE
+        try:
+            old = json.loads(path.read_text())["ranks"]
+        except (OSError, ValueError, KeyError, TypeError):
+            old = {}
+        if replace:
+            old = {r: v for r, v in old.items()
+                   if isinstance(v, dict) and v.get("migrated_in") and _alive(v.get("pid"))}
+        cur = {**old, **{str(r): v for r, v in (ranks or {}).items()}}
+        for r in drop:
+            cur.pop(str(r), None)
+        doc = {"t": time.time(), "ranks": dict(sorted(cur.items(), key=lambda kv: int(kv[0])))}
+        atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 FINISHED_FILE = "FINISHED.json"

@@ -294,9 +294,7 @@ class JitAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         handler = worker_group.spec.rdzv_handler
-        self._round = rdzv.current_round(handler) or 0
-        # the job-wide attempt: the same on every node, also on a replacement
-        # whose own restart count starts at 0
+        self._round = rdzv.job_attempt(handler, worker_group.spec.max_restarts - self._remaining_restarts)
         os.environ["JITCKPT_ATTEMPT"] = str(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
         for d in (self._loaded, self._life, self._boot, self._query, self._train):
@@ -329,7 +327,19 @@ class JitAgent(LocalElasticAgent):
             self._moved.clear()
             migrate.publish(self._reader_store(worker_group), self._jit.token, self._jit.root, ranks,
                             (worker_group.master_addr, worker_group.master_port))
+        self._write_ranks(worker_group)
         return pids
+
+    def _write_ranks(self, wg: WorkerGroup) -> None:
+        """This node's ranks and their PIDs, in <jit dir>/ranks.json (a
+        migratable rank's is the worker's, not its namespace wrapper's)."""
+        ranks = {r: {"pid": self._mig_pids.get(r, p.pid), "node": self._node.node_id, "host": self._node.host,
+                     "attempt": self._round}
+                 for r, p in self._procs(wg).items() if not isinstance(self._moved.get(r), migrate_agent.Remote)}
+        try:
+            layout.update_ranks(self._jit.root, ranks, replace=True)
+        except OSError as e:
+            print(f"jitrun: could not write {self._jit.root / layout.RANKS_FILE}: {e}", file=sys.stderr, flush=True)
 
     def _prepare_restore(self) -> None:
         """Make the job's restore step and its replicas present on this node.
@@ -561,6 +571,7 @@ class JitAgent(LocalElasticAgent):
                                       error=str(e))
                 else:
                     self._moved[req.rank] = moved if isinstance(moved, device_loss.Moved) else moved.remote
+                    self._write_ranks(wg)
                     self._events.emit("device_moved", rank=req.rank, epoch=req.epoch, to=placement.to,
                                       device=placement.device, old_device=req.device,
                                       dump_s=round(moved.dump_s, 4), restore_s=round(moved.restore_s, 4),
@@ -613,6 +624,7 @@ class JitAgent(LocalElasticAgent):
                                                 Path(other["ctl"]), f"rank {rank}'s migration failed: {e.why}")
                     break
                 self._moved[rank] = migrate_agent.Remote(coord, self._jit.token, done["id"], done["to"])
+                self._write_ranks(wg)
                 resume = {"prefix": migrate_agent.prefix(self._jit.token, self._round, gen),
                           "store": [wg.master_addr, wg.master_port]}
                 print(f"jitrun: rank {rank} migrated to {done['to']} (dump {done['dump_s']}s, transfer "
@@ -911,6 +923,13 @@ class JitAgent(LocalElasticAgent):
         if won.lost:
             print(f"jitrun: node(s) {', '.join(n['addr'] for n in won.lost)} did not answer after the failure; "
                   "taken as lost", flush=True)
+            if rdzv.is_static(wg.spec.rdzv_handler):
+                self._remaining_restarts = 0
+                self._events.emit("job_abort", why="node lost under the static rendezvous")
+                print("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) "
+                      "cannot continue without a lost node or admit a replacement or spare; launch with "
+                      "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --nnodes MIN:MAX to recover from node loss",
+                      file=sys.stderr, flush=True)
         # --- issue 12 (EC snapshots): which source the restart uses, why not a better one, steps lost ---
         if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
             self._events.emit("restore_source", **decide.source_event(won, f.progress))

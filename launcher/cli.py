@@ -396,6 +396,17 @@ def run(args) -> int:
         else:
             # [-u, (-m,) script, args...] -> [-u, -m, jitckpt._bootstrap, (-m,) script, args...]
             cmd_args = [cmd_args[0], "-m", "jitckpt._bootstrap", *cmd_args[1:]]
+    elif args.run_path:
+        # torchrun's --run-path runs the script with runpy.run_path in a spawned
+        # interpreter; the bootstrap does the same after attaching the runtime
+        from . import warm
+
+        cmd = warm.worker_main
+    elif args.no_python:
+        import jitckpt
+
+        autoload = str(Path(jitckpt.__file__).resolve().parent / "_autoload")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [autoload, os.environ.get("PYTHONPATH")]))
     if migratable and isinstance(cmd, str) and not args.run_path:  # issue 13: launcher/migrate.py
         from . import migrate
 

@@ -12,7 +12,11 @@ from torch.distributed.elastic import events as te_events
 from torch.distributed.elastic import metrics, rendezvous
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
@@ -63,13 +67,15 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
         result = agent.run()
-        te_events.record(agent.get_event_succeeded(), config.event_log_handler)
-        if result.is_failed():
-            err = ChildFailedError(name=entrypoint_name(cmd, cmd_args), failures=result.failures)
-            print(err.format_msg(), file=sys.stderr)
-            code = 1
+        if result is None:
+            # torch returns None to a node waiting in the redundancy list when the job's rendezvous closes
+            code = _waited_out(handler, token)
         else:
-            code = 0
+            te_events.record(agent.get_event_succeeded(), config.event_log_handler)
+            code = 1 if result.is_failed() else 0
+            if result.is_failed():
+                err = ChildFailedError(name=entrypoint_name(cmd, cmd_args), failures=result.failures)
+                print(err.format_msg(), file=sys.stderr)
     except RendezvousTimeoutError:
         join = rdzv.join_timeout_s(handler)
         print(f"jitrun: the job could not gather {config.min_nodes} node(s) within the rendezvous join timeout "
@@ -77,12 +83,11 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
               "the wait with --rdzv-conf join_timeout=SECONDS", file=sys.stderr)
         code = 1
     except RendezvousClosedError:
-        # this node waited to join (a spare, or left out of a restart's round when a spare
-        # took its place) and the job ended without it: the job's outcome is its outcome
-        ok = rdzv.job_succeeded(handler, token)
-        print("jitrun: the job " + ("finished" if ok else "ended without success") + " while this node waited to "
-              "join its next round (a spare); nothing of it runs here", file=sys.stderr)
-        code = 0 if ok else 1
+        code = _waited_out(handler, token)
+    except RendezvousConnectionError as e:
+        print(f"jitrun: the job's rendezvous store went away ({e}) before this node learned the job's outcome; "
+              "see the other nodes' logs", file=sys.stderr)
+        code = 1
     except Exception as e:
         if type(e).__name__ == "SignalException":
             shutdown_rdzv = False
@@ -90,10 +95,14 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         code = 1
     finally:
         stopped = agent.close()
+        waiting = 0
         if code == 0:
             rdzv.mark_succeeded(handler, token)  # before the close: what a waiting spare reads
+            waiting = rdzv.waiting_nodes(handler)
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+            if waiting:
+                rdzv.wait_outcome_read(handler, token, waiting)
         else:
             # torch's heartbeat timer is a daemon thread making store calls: at
             # interpreter exit it would abort the process (see ReplicaServer.stop)
@@ -113,6 +122,17 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _waited_out(handler, token: str) -> int:
+    """This node waited to join (a spare, or one left out of a restart's round
+    when a spare took its place) and the job ended without it: the job's
+    outcome is its outcome."""
+    ok = rdzv.job_succeeded(handler, token)
+    rdzv.outcome_read(handler, token)
+    print("jitrun: the job " + ("finished" if ok else "ended without success") + " while this node waited to "
+          "join its next round (a spare); nothing of it runs here", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _job_token(handler, config: LaunchConfig, token: str) -> str:

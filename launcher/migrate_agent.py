@@ -43,6 +43,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -50,6 +51,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+
+from jitckpt import layout
 
 from . import criu, device_loss, migrate, transfer
 from .events import EventLog
@@ -407,8 +410,17 @@ class Target:
                            "recv_s": round(t_recv - t0, 4), "node": self._node})
         self._events.emit("migration_arrived", gen=gen, rank=rank, pid=int(pid), restore_s=float(secs),
                           recv_s=round(t_recv - t0, 4), node=self._node)
+        self._record_rank(rank, {"pid": int(pid), "node": self._node, "host": socket.gethostname(),
+                                 "migrated_in": True})
         threading.Thread(target=self._watch_restored, args=(helper, tid, rank, int(pid)), daemon=True,
                          name=f"jitrun-migrated-rank{rank}").start()
+
+    def _record_rank(self, rank: int, entry: dict | None) -> None:
+        """Where a migrated-in rank runs now, in this node's ranks.json."""
+        try:
+            layout.update_ranks(self._root, {rank: entry} if entry else None, drop=() if entry else (rank,))
+        except OSError:
+            pass  # the jit dir went with the job
 
     def _watch_restored(self, helper: subprocess.Popen, tid: str, rank: int, pid: int) -> None:
         """Exit code out, stop signals in, until the restored worker ends."""
@@ -437,6 +449,7 @@ class Target:
             except subprocess.TimeoutExpired:
                 pass
         self._events.emit("worker_exit", rank=rank, exitcode=code, migrated=True, node=self._node)
+        self._record_rank(rank, None)
         try:
             store.set(_k(self._token, tid, "exit"), str(code))
         except Exception:

@@ -40,15 +40,41 @@ def _dynamic(handler) -> bool:
     return hasattr(handler, "_state_holder") and hasattr(handler, "_bootstrap_store_info")
 
 
+def is_static(handler) -> bool:
+    """torchrun's default when no rendezvous flag is given, and the classic
+    ``--nnodes/--node-rank/--master-addr`` form: one TCPStore hosted by node
+    rank 0's agent, no rounds, no membership changes."""
+    return handler.get_backend() == "static" and hasattr(handler, "_store")
+
+
 def current_round(handler) -> int | None:
     if not _dynamic(handler):
         return None
     return int(handler._state_holder.state.round)
 
 
+def job_attempt(handler, restarts: int) -> int:
+    """The job-wide attempt number, the same on every node: the rendezvous
+    round under a dynamic backend (a replacement agent's own restart count
+    starts at 0), the worker group's restart count under static, where every
+    node's group restarts as a whole (a failure on one node is handled by
+    every agent through the coordination store) and membership never
+    changes."""
+    r = current_round(handler)
+    return restarts if r is None else r
+
+
 def coordination_store(handler):
-    """The backend store without the per-round prefix, or None."""
-    return getattr(handler, "_store", None) if _dynamic(handler) else None
+    """The backend store without the per-round prefix, or None. Static:
+    node rank 0's TCPStore (every agent of the job reaches it), created here
+    if the agent has not rendezvoused yet, as its first rendezvous would."""
+    if _dynamic(handler):
+        return getattr(handler, "_store", None)
+    if is_static(handler):
+        if handler._store is None:
+            handler.next_rendezvous()
+        return handler._store
+    return None
 
 
 def _ok_key(token: str) -> str:
@@ -71,6 +97,50 @@ def job_succeeded(handler, token: str) -> bool:
         return store is not None and store.check([_ok_key(token)])
     except Exception:
         return False
+
+
+def _read_key(token: str) -> str:
+    return f"jitckpt/{token}/job-outcome-read"
+
+
+def waiting_nodes(handler) -> int:
+    """Nodes waiting to join (spares, in torch's wait or redundancy list)."""
+    if not _dynamic(handler):
+        return 0
+    try:
+        handler._state_holder.sync()
+        st = handler._state_holder.state
+        return len(st.wait_list) + len(st.redundancy_list)
+    except Exception:
+        return 0
+
+
+def outcome_read(handler, token: str) -> None:
+    """A waiting node has read the job's outcome (the host may go now)."""
+    store = coordination_store(handler)
+    try:
+        if store is not None:
+            store.add(_read_key(token), 1)
+    except Exception:
+        pass
+
+
+def wait_outcome_read(handler, token: str, n: int, timeout_s: float = 5.0) -> bool:
+    """Keep the store up until ``n`` waiting nodes read the outcome: an agent
+    that hosts the rendezvous store takes it along when it exits, and a spare
+    that then finds no store cannot tell success from failure."""
+    import time
+
+    store = coordination_store(handler)
+    deadline = time.monotonic() + timeout_s
+    while store is not None and time.monotonic() < deadline:
+        try:
+            if store.add(_read_key(token), 0) >= n:
+                return True
+        except Exception:
+            return False
+        time.sleep(POLL_S)
+    return False
 
 
 def join_timeout_s(handler) -> float | None:

@@ -144,7 +144,8 @@ def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeo
            env: dict | None = None, jit_dir: Path | None = None) -> Job:
     jit_dir = jit_dir or tmp / "jit"
     out = tmp / "final.pt"
-    cmd = [sys.executable, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+    # the launch line users type (no rendezvous flags); tests/test_launch_forms.py covers the others
+    cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--jit-timeout", str(timeout_s), "--jit-dir", str(jit_dir),
            *(extra or []), str(TRAIN), "--steps", str(steps), "--out", str(out), *(train_args or [])]
     e = {"JITCKPT_FAULT": fault} if fault else {}

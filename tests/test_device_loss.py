@@ -406,7 +406,7 @@ def test_lost_device_rank_moves_to_another_node(criu_bin, tmp_path: Path) -> Non
         gate.touch()
         codes = {k: p.wait(120) for k, p in procs.items() if k != "agent2"}
         assert codes == {"agent0": 0, "agent1": 0}, logs()
-        procs["agent2"].wait(60)  # ends with the job's rendezvous
+        assert procs["agent2"].wait(60) == 0, logs()  # ends with the job's rendezvous, with its outcome
         evs = {k: [json.loads(x) for x in (c.dir / f"events-{k}.jsonl").read_text().splitlines()] for k in procs}
         outs = {k: "".join(p.read_text() for p in sorted((c.dir / f"out-{k}").glob("rank*.log")))
                 for k in procs if (c.dir / f"out-{k}").exists()}

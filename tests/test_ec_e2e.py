@@ -122,7 +122,7 @@ def test_three_nodes_one_node_lost_2_plus_1(mn_reference):
     ref = mn_reference(3, 1, STEPS)
     with Cluster(3) as c:
         job = _run_job(c, _kill_all(3, ranks=range(2)), [2])
-        codes = job.wait(timeout=300, skip=("agent2",))
+        codes = job.wait(timeout=300, killed=("agent2",))
         assert all(v == 0 for v in codes.values()), (codes, job.logs())
         evs = job.all_events()
         src = _check_ec_recovery(evs, job.logs())
@@ -140,7 +140,7 @@ def test_three_nodes_two_nodes_lost_falls_back(mn_reference):
     ref = mn_reference(3, 1, STEPS)
     with Cluster(3) as c:
         job = _run_job(c, _kill_all(3, ranks=range(1)), [1, 2])
-        codes = job.wait(timeout=400, skip=("agent1", "agent2"))
+        codes = job.wait(timeout=400, killed=("agent1", "agent2"))
         assert all(v == 0 for v in codes.values()), (codes, job.logs())
         evs = job.all_events()
         src = [e for e in evs if e["event"] == "restore_source"]

@@ -29,7 +29,7 @@ def _events(jit: Path) -> list[dict]:
 
 def _run(tmp: Path, fault: str = "", extra: list[str] = (), nproc: int = 2) -> tuple[int, str, list[dict], Path]:
     jit, out = tmp / "jit", tmp / "final.pt"
-    cmd = [sys.executable, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", str(nproc),
            "--max-restarts", "3", "--jit-timeout", "3", "--jit-dir", str(jit), *extra,
            str(SCRIPT), "--out", str(out)]
     cp = run_tree(cmd, env={"JITCKPT_FAULT": fault} if fault else {}, timeout=240)

@@ -84,14 +84,9 @@ def _inits(c: Cluster) -> list[str]:
 
 
 def _finish(job: Job) -> list[dict]:
-    codes = job.wait(skip=("spare",))
+    # the spare ends when the job's rendezvous closes, with the job's outcome
+    codes = job.wait()
     assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{job.logs()}"
-    spare = job.procs.get("spare")
-    if spare is not None and spare.popen.poll() is None:  # ends when the job's rendezvous closes
-        try:
-            spare.wait(60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the spare agent did not end with the job\n" + job.logs())
     return job.all_events()
 
 

@@ -27,8 +27,9 @@ class Job:
 
     def __init__(self, cluster: Cluster, nproc: int, steps: int, *, train: list[str] = (),
                  extra: list[str] = (), nnodes: int | None = None, timeout_s: float = 5,
-                 rdzv_conf: str = "keep_alive_interval=2") -> None:
+                 rdzv_conf: str = "keep_alive_interval=2", static: bool = False) -> None:
         self.rdzv_conf = rdzv_conf
+        self.static = static  # the classic --nnodes/--node-rank/--master-addr form
         self.c = cluster
         self.nnodes = nnodes or len(cluster.nodes)
         self.nproc = nproc
@@ -41,9 +42,13 @@ class Job:
         self.procs: dict[str, Proc] = {}
 
     def cmd(self, node: Node) -> list[str]:
+        if self.static:
+            rdzv = ["--node-rank", str(node.index), "--master-addr", self.c.nodes[0].addr, "--master-port", str(PORT)]
+        else:
+            rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.nodes[0].addr}:{PORT}", "--rdzv-id", "mn",
+                    "--rdzv-conf", self.rdzv_conf]
         return [sys.executable, "-m", "jitrun.cli", "--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.c.nodes[0].addr}:{PORT}", "--rdzv-id", "mn",
-                "--rdzv-conf", self.rdzv_conf, "--max-restarts", "3", "--jit-timeout", str(self.timeout_s),
+                *rdzv, "--max-restarts", "3", "--jit-timeout", str(self.timeout_s),
                 "--jit-dir", self.jit, "--local-addr", node.addr, *self.extra,
                 str(TRAIN), "--steps", str(self.steps), "--out", str(self.out), *self.train]
 
@@ -58,16 +63,21 @@ class Job:
         for node in self.c.nodes[: self.nnodes]:
             self.start(node, env={**(env or {}), **(env_of or {}).get(node.index, {})})
 
-    def wait(self, timeout: float = 240, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    def wait(self, timeout: float = 240, killed: tuple[str, ...] = ()) -> dict[str, int]:
+        """Every agent's exit code. ``killed``: agents whose node the test
+        killed; each must have died of that SIGKILL, and is left out of the
+        returned codes."""
         deadline = time.monotonic() + timeout
         codes = {}
         for name, p in self.procs.items():
-            if name in skip:
-                continue
             try:
-                codes[name] = p.wait(max(deadline - time.monotonic(), 1))
+                code = p.wait(max(deadline - time.monotonic(), 1))
             except Exception:
                 pytest.fail(f"{name} did not finish in {timeout}s\n" + self.logs())
+            if name in killed:
+                assert code == -9, f"{name}, whose node was killed, exited {code}\n{self.logs()}"
+            else:
+                codes[name] = code
         return codes
 
     def wait_for_output(self, name: str, text: str, timeout: float = 120) -> None:
@@ -87,8 +97,8 @@ class Job:
     def logs(self) -> str:
         return "\n".join(f"===== {n}\n{p.output()[-3000:]}" for n, p in self.procs.items())
 
-    def assert_recovered(self, reference: Path, failures: int = 1, skip: tuple[str, ...] = ()) -> list[dict]:
-        codes = self.wait(skip=skip)
+    def assert_recovered(self, reference: Path, failures: int = 1, killed: tuple[str, ...] = ()) -> list[dict]:
+        codes = self.wait(killed=killed)
         if not all(c == 0 for c in codes.values()):
             pytest.fail(f"exit codes {codes}\n{self.logs()}")
         evs = self.all_events()
@@ -179,6 +189,30 @@ def test_rank_failure(nnodes, nproc, kind, mn_reference):
         assert dec and len({e["step"] for e in dec}) == 1, dec
 
 
+THREE = ("rank=1,step=4,phase=backward,kind=sigkill;rank=0,step=9,phase=forward,kind=sigstop,attempt=1;"
+         "rank=1,step=14,phase=optimizer,kind=exception,attempt=2")
+
+
+@pytest.mark.parametrize("form", ["static", "c10d"])
+def test_two_node_launch_forms(form, mn_reference):
+    """The classic static form (--nnodes 2 --node-rank K --master-addr A
+    --master-port P) and c10d, two nodes: a killed rank, a rank stopped past
+    the timeout and an exception, one per attempt, each recovered from the
+    job-wide decision; attempts count up on both nodes; every fault fires once."""
+    ref = mn_reference(2, 1, STEPS)
+    with Cluster(2) as c:
+        job = Job(c, 1, STEPS, static=form == "static", timeout_s=3)
+        job.start_all(env={"JITCKPT_FAULT": THREE})
+        evs = job.assert_recovered(ref, failures=3)
+        fired = sorted((e["attempt"], e["kind"]) for e in evs if e["event"] == "fault_injected")
+        assert fired == [(0, "sigkill"), (1, "sigstop"), (2, "exception")], (fired, job.logs())
+        for name in job.procs:
+            rounds = [e["round"] for e in job.events(name) if e["event"] == "rendezvous"]
+            assert rounds == [0, 1, 2, 3], (name, rounds)
+        dec = [e for e in evs if e["event"] == "restore_decision"]
+        assert len({(e["round"], e["step"]) for e in dec}) == 3, dec
+
+
 @pytest.mark.parametrize("nnodes,nproc", WORLDS)
 def test_slow_save_fn(nnodes, nproc, mn_reference):
     """A 2 s save_fn: the node whose rank died waits for the job-wide decision
@@ -207,7 +241,7 @@ def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
         time.sleep(3)
         new = c.add_node()
         job.start(new, name="replacement")
-        evs = job.assert_recovered(ref, skip=(f"agent{lost.index}",))
+        evs = job.assert_recovered(ref, killed=(f"agent{lost.index}",))
         assert any(e["event"] == "replica_fetched" for e in job.events("replacement")), job.logs()
         dec = next(e for e in evs if e["event"] == "restore_decision")
         assert dec["lost"], dec
@@ -230,10 +264,27 @@ def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
         assert "restart" not in job.procs["agent0"].output()
         lost = c.nodes[nnodes - 1]
         lost.kill()
-        evs = job.assert_recovered(ref, skip=(f"agent{lost.index}",))
+        evs = job.assert_recovered(ref, killed=(f"agent{lost.index}",))
         rdzv = [e for e in evs if e["event"] == "rendezvous"]
         assert max(e["round"] for e in rdzv) == 1, "the spare's arrival alone caused no round"
         assert any(e["event"] == "loaded" for e in job.events("spare")), job.logs()
+
+
+def test_spare_exits_with_the_jobs_outcome(mn_reference):
+    """A hot spare that waits through a job that never fails exits 0 with it:
+    the agent hosting the rendezvous store keeps it up until the waiting spare
+    has read the outcome."""
+    ref = mn_reference(2, 1, STEPS)
+    with Cluster(3) as c:
+        job = Job(c, 1, STEPS, nnodes=2, train=["--step-sleep", "0.1"])
+        job.start_all()
+        job.wait_for_output("agent0", "step    0")
+        spare = c.nodes[2]
+        job.start(spare, name="spare")
+        codes = job.wait(timeout=240)
+        assert codes == {"agent0": 0, "agent1": 0, "spare": 0}, f"exit codes {codes}\n{job.logs()}"
+        assert "finished while this node waited" in job.procs["spare"].output(), job.logs()
+        assert_same_state(ref, job.out)
 
 
 def test_forced_divergence_is_refused(mn_reference):
@@ -280,7 +331,7 @@ def test_lost_node_without_replacement_ends_clearly():
         job.start_all()
         job.wait_for_output("agent0", "step   10")
         c.nodes[1].kill()
-        codes = job.wait(timeout=120, skip=("agent1",))
+        codes = job.wait(timeout=120, killed=("agent1",))
         assert codes["agent0"] != 0
         out = job.procs["agent0"].output()
         assert "lost node was not replaced" in out and "join_timeout" in out, out[-2000:]
