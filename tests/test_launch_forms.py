@@ -12,7 +12,6 @@ tests/test_multinode.py on the namespace harness.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -43,7 +42,7 @@ def _form(name: str, tmp: Path) -> tuple[list[str], list[str], dict[str, str]]:
     script = [str(TRAIN)]
     port = str(_free_port())
     c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"]
-    if name == "bare":  # torchrun's default: static on 29500, which torch turns into a local c10d
+    if name == "bare":  # torchrun's default: static, which torch turns into a local c10d on one node
         return ["--nproc-per-node", "2"], script, {}
     if name == "static":  # a port given: torchrun keeps the static rendezvous (its store in the agent)
         return ["--nproc-per-node", "2", "--master-port", port], script, {}
@@ -70,20 +69,9 @@ def _form(name: str, tmp: Path) -> tuple[list[str], list[str], dict[str, str]]:
 FORMS = ["bare", "static", "standalone", "c10d", "elastic_range", "module", "no_python", "run_path", "pet_env"]
 
 
-@pytest.fixture
-def bare_port_lock():
-    """The bare form uses torchrun's default port 29500 on the host; concurrent
-    runs of this suite on one machine take turns."""
-    with open(Path("/tmp") / "jitckpt-tests-port-29500.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("form", FORMS)
-def test_launch_form_recovers(form: str, tmp_path: Path, reference, request) -> None:
-    if form == "bare":
-        request.getfixturevalue("bare_port_lock")
+def test_launch_form_recovers(form: str, tmp_path: Path, reference) -> None:
     opts, prog, env = _form(form, tmp_path)
     jit, out = tmp_path / "jit", tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "jitrun.cli", *opts, *COMMON, "--jit-dir", str(jit),
