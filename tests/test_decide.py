@@ -1,6 +1,6 @@
-"""Unit tests of the job-wide pieces: the restore decision (launcher.decide),
+"""Unit tests of the job-wide pieces: the restore decision (jitrun.decide),
 the loaded-state consistency check (jitckpt.consistency), replica transfer
-through a real TCPStore (launcher.transfer) and derived network settings."""
+through a real TCPStore (jitrun.transfer) and derived network settings."""
 
 from __future__ import annotations
 

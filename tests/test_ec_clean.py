@@ -51,7 +51,7 @@ def _replica(root: Path, job: str, step: int) -> Path:
 
 
 def _clean(*argv: str) -> tuple[int, str, str]:
-    from launcher import ec_clean
+    from jitrun import ec_clean
 
     out, err = io.StringIO(), io.StringIO()
     rc = ec_clean.main(list(argv), stdout=out, stderr=err)
@@ -156,7 +156,7 @@ def test_clean_subcommand_through_jitrun(tmp_path, shm):
 
 
 def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, shm):
-    from launcher import decide
+    from jitrun import decide
 
     _commit(shm, "jobA", 8)
     # job B looks in its own directory: nothing

@@ -59,9 +59,9 @@ def test_single_node_all_workers_killed(tmp_path, reference, monkeypatch):
 
 @pytest.mark.slow
 def test_default_interval_recovers_a_whole_job_crash(tmp_path, reference):
-    """No --jit-ec-* flag at all: the default interval (launcher.cli.DEFAULT_EC_EVERY) takes the
+    """No --jit-ec-* flag at all: the default interval (jitrun.cli.DEFAULT_EC_EVERY) takes the
     snapshot at minibatch 100, and a crash of every worker after it costs the minibatches since."""
-    from launcher.cli import DEFAULT_EC_EVERY
+    from jitrun.cli import DEFAULT_EC_EVERY
 
     steps, kill_at = DEFAULT_EC_EVERY + 8, DEFAULT_EC_EVERY + 5  # 5 x 0.15 s for the version to commit
     shm = tmp_path / "shm"

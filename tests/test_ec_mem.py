@@ -87,7 +87,7 @@ def test_node_needs_two_versions_of_its_chunks_plus_staging():
 
 
 def _check(argv):
-    from launcher import cli
+    from jitrun import cli
 
     args = cli._parser().parse_args([*argv, str(ROOT / "scripts" / "demo_train.py")])
     return cli.check_args(args)
@@ -104,7 +104,7 @@ def test_cli_start_check():
 
 
 def test_default_interval_is_on_and_never_refuses(monkeypatch, capsys):
-    from launcher import cli
+    from jitrun import cli
 
     def args_of(*argv):
         return cli._parser().parse_args([*argv, str(ROOT / "scripts" / "demo_train.py")])

@@ -325,7 +325,7 @@ def test_parse_code():
 
 
 def _decide(replica_steps, ec_invs, world=2):
-    from launcher import decide
+    from jitrun import decide
 
     invs = [{"node_id": f"n{i}", "host": "h", "addr": f"a{i}",
              "replicas": [{"step": s, "shard": "0", "rank": 0, "saved_at": 0.0, "manifest_sha256": "x"}
@@ -335,7 +335,7 @@ def _decide(replica_steps, ec_invs, world=2):
 
 
 def test_decision_order_replica_ec_persistent_fresh():
-    from launcher import decide
+    from jitrun import decide
 
     ec4 = [_inv([_ch(4, 0, 0), _ch(4, 1, 0)], [_rec(4)]), _inv([_ch(4, 0, 1), _ch(4, 1, 1)], [])]
     # a replica at the failure's step beats an older EC version
@@ -369,7 +369,7 @@ def test_decision_order_replica_ec_persistent_fresh():
 
 
 def test_inventory_lists_ec_only_when_enabled(tmp_path, monkeypatch):
-    from launcher import decide
+    from jitrun import decide
 
     monkeypatch.setenv(ec_snapshot.ENV_SHM, str(tmp_path))
     ec_pack.write_chunk(ec_snapshot.ec_dir(JOB, tmp_path), ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)

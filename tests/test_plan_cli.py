@@ -1,4 +1,4 @@
-"""Tests for `jitrun plan` (launcher.plan.main), run in-process."""
+"""Tests for `jitrun plan` (jitrun.plan.main), run in-process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from launcher import plan
+from jitrun import plan
 
 REPO = Path(__file__).resolve().parent.parent
 F = 2e-3 / 86400.0  # 2e-3 failures per GPU per day, per second
@@ -332,7 +331,7 @@ def test_argparse_errors_return_2(capsys):
 
 def test_module_entry_point():
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.plan", *BERT, "--gpus", "4", "--json"],
+        [sys.executable, "-m", "jitrun.plan", *BERT, "--gpus", "4", "--json"],
         check=False,
         cwd=REPO,
         capture_output=True,
@@ -345,7 +344,7 @@ def test_module_entry_point():
         [
             sys.executable,
             "-m",
-            "launcher.plan",
+            "jitrun.plan",
             "--ckpt-seconds",
             "-1",
             "--restore-seconds",
