@@ -35,7 +35,7 @@ def install() -> Runtime:
         hooks.install(rt)
         rt.install_signal_watch()
         _attach_intercept(rt)
-        from . import ec_snapshot  # --jit-ec-every N (issue 12): nothing happens when N is 0
+        from . import ec_snapshot  # --jit-ec-every N: nothing happens when N is 0
 
         ec_snapshot.install(rt)
     elif rt.cfg.fault_spec:
@@ -112,7 +112,7 @@ def get_checkpoint_path() -> str | None:
     if cfg.root is None or not cfg.root.is_dir():
         return None
     if os.environ.get("JITCKPT_RESTORE_SOURCE") == "ec":
-        # the job chose an EC snapshot (issue 12): decode it into the layout here (collective over the
+        # the job chose an EC snapshot: decode it into the layout here (collective over the
         # ranks; sets JITCKPT_RESTORE_STEP to the EC step, or to the fallback), then the normal path below
         from . import ec_restore
 

@@ -1,4 +1,4 @@
-"""Restore from an erasure-coded snapshot (issue 12, item 3), inside ``get_checkpoint_path``.
+"""Restore from an erasure-coded snapshot, inside ``get_checkpoint_path``.
 
 When the job's decision chose an EC version (``JITCKPT_RESTORE_SOURCE=ec``, ``JITCKPT_RESTORE_STEP=<step>``),
 every restarted rank, before ``get_checkpoint_path`` returns:

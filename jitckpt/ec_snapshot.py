@@ -1,4 +1,4 @@
-"""Erasure-coded in-memory snapshots on peer nodes (issue 12, items 2-3): the worker's snapshot side and
+"""Erasure-coded in-memory snapshots on peer nodes: the worker's snapshot side and
 the node inventory the launcher's decision reads.
 
 Every ``JITCKPT_EC_EVERY`` minibatches, at the start of a minibatch (``Runtime.on_snapshot``, called where the

@@ -1,4 +1,4 @@
-"""Worker side of CRIU process migration (issue 13): pause, teardown, rebuild.
+"""Worker side of CRIU process migration: pause, teardown, rebuild.
 
 At a step boundary (no collective in flight, parameters consistent) a rank
 that is to be migrated, and every peer of it, does:

@@ -185,7 +185,7 @@ def wasted_fraction(w: float) -> float:
     return w / (1.0 + w)
 
 
-# -- the EC tier (issue 12): JIT + erasure-coded in-memory snapshots ------------------------------------------
+# -- the EC tier: JIT + erasure-coded in-memory snapshots ------------------------------------------
 #
 # The paper's JIT recovery assumes a healthy data-parallel replica of every shard survives the failure. Let
 # ``p`` (--correlated-fraction) be the fraction of failures that take every replica of some shard (a job-wide

@@ -173,20 +173,20 @@ class JitAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
-        # issue 13: ranks moved to another node by `jitrun migrate` (launcher/migrate_agent.py)
+        # ranks moved to another node by `jitrun migrate` (launcher/migrate_agent.py)
         # (and a rank whose lost device's process moved to a new device: launcher/device_loss.py)
         self._moved: dict[int, migrate_agent.Remote | device_loss.Moved] = {}
         self._migrating: dict[int, list[dict]] = {}  # gen -> this node's ranks' "migrating" reports
         self._mig_pids: dict[int, int] = {}  # rank -> host PID of its namespace init (what CRIU dumps)
         self._mig_out: dict[int, str] = {}  # rank -> its output file (held open, on this node's disk)
         self._target: migrate_agent.Target | None = None
-        # issue 13: devices NVML reports failing (launcher/health.py); the monitor thread
+        # devices NVML reports failing (launcher/health.py); the monitor thread
         # appends, the main thread takes them in _monitor_workers
         self._unhealthy: list = []
         self._bad_devices: set[str] = set()  # left out of CUDA_VISIBLE_DEVICES at the next start
         self._health_monitor = None
         self._nvml_count = 0
-        # issue 13: where this node's parked workers ask for a new device (device_loss.py)
+        # where this node's parked workers ask for a new device (device_loss.py)
         dd = os.environ.get(device_loss.DIR_ENV)
         self._device_dir: Path | None = Path(dd) if dd and os.environ.get("JITCKPT_ON_DEVICE_LOSS") == "migrate" \
             else None
@@ -320,7 +320,7 @@ class JitAgent(LocalElasticAgent):
         if self._device_dir is not None:
             device_loss.reset(self._device_dir)
         pids = super()._start_workers(worker_group)
-        if migrate.enabled():  # issue 13: where each migratable rank runs
+        if migrate.enabled():  # where each migratable rank runs
             ranks = migrate.record_workers(self, worker_group)
             self._mig_pids = {int(r): w["pid"] for r, w in ranks.items() if w["pid"]}
             self._mig_out = {int(r): w["output"] for r, w in ranks.items()}
@@ -353,10 +353,9 @@ class JitAgent(LocalElasticAgent):
             return
         self._decision = d
         os.environ["JITCKPT_RESTORE_STEP"] = "none" if d.step is None else str(d.step)
-        # --- issue 12: an EC version was chosen: the workers decode it, d.step stays their fallback ---
+        # an EC version was chosen: the workers decode it, d.step stays their fallback
         decide.ec_env(d, os.environ)
         self._jit_env_keys |= {"JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"}
-        # --- end issue 12 ---
         if d.step is None:
             return
         need = sorted({d.shard_of_rank.get(str(r)) for r in self._local_ranks} - {None}) or d.shards
@@ -439,7 +438,7 @@ class JitAgent(LocalElasticAgent):
         pc.close()  # type: ignore[union-attr]
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
-    # -- device health (issue 13) -------------------------------------------------
+    # -- device health -------------------------------------------------
 
     def _devices(self, wg: WorkerGroup) -> list[str]:
         """The devices the workers see, in local-rank order: CUDA_VISIBLE_DEVICES, else
@@ -586,7 +585,7 @@ class JitAgent(LocalElasticAgent):
             print(f"jitrun: rank {req.rank}'s device {req.device} was lost and its process is not moved ({why}); "
                   "it falls back to the JIT checkpoint path", file=sys.stderr, flush=True)
 
-    # -- migration (issue 13) -----------------------------------------------------
+    # -- migration -----------------------------------------------------
 
     def _reader_store(self, wg: WorkerGroup):
         """The workers' store, on the report reader's connection (main thread only)."""
@@ -870,10 +869,9 @@ class JitAgent(LocalElasticAgent):
             if step is not None and any(src.get("saved_at", 0.0) >= f.detected_t - 1.0
                                         for srcs in d.sources.values() for src in srcs):
                 jit_steps.add(step)
-            # --- issue 12: an EC snapshot chosen job-wide replaces an older (or no) replica step ---
+            # an EC snapshot chosen job-wide replaces an older (or no) replica step
             if d.source == "ec":
                 step = d.ec_step
-            # --- end issue 12 ---
         if step is None and not self._shards:
             # drop-in: the script restarts as it would under torchrun, on its own checkpoints if it has any
             self._events.emit("no_jit_checkpoint", fallback_step=None, why="no save_fn registered")
@@ -930,11 +928,10 @@ class JitAgent(LocalElasticAgent):
                       "cannot continue without a lost node or admit a replacement or spare; launch with "
                       "--rdzv-backend c10d --rdzv-endpoint HOST:PORT --nnodes MIN:MAX to recover from node loss",
                       file=sys.stderr, flush=True)
-        # --- issue 12 (EC snapshots): which source the restart uses, why not a better one, steps lost ---
+        # which source the restart uses, why not a better one, steps lost
         if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
             self._events.emit("restore_source", **decide.source_event(won, f.progress))
             print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
-        # --- end issue 12 ---
         return won
 
     # -- restart ----------------------------------------------------------------

@@ -91,7 +91,7 @@ def _parser():
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
-    g.add_argument("--jit-health-interval", type=float, default=30.0,  # issue 13: launcher/health.py
+    g.add_argument("--jit-health-interval", type=float, default=30.0,  # launcher/health.py
                    help="seconds between NVML health checks of this node's devices while the job runs "
                         "(0: only before each start); a failing device's ranks are migrated or restarted "
                         "without it, as the scheduler hook says (default 30)")
@@ -120,7 +120,7 @@ def _parser():
                         "at most the size of /dev/shm). Checked at start (at most MemAvailable) and at every "
                         "snapshot from the first (2 versions of the node's chunks + staging must fit; else EC "
                         "snapshots are disabled for the job, loudly, and training goes on)")
-    g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # issue 13: launcher/migrate.py
+    g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migrate.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
                         "so CRIU can move it to another node (jitrun migrate) and, with the shim preloaded, "
                         "move a rank whose device died to a spare device (scheduler hook: device_lost); "
@@ -129,7 +129,7 @@ def _parser():
 
 
 def _check_ec(args) -> str | None:
-    """--jit-ec-every / --jit-ec-code (issue 12)."""
+    """--jit-ec-every / --jit-ec-code."""
     every = getattr(args, "jit_ec_every", 0)
     by_default = every is None
     if by_default:
@@ -328,7 +328,7 @@ def run(args) -> int:
                   "(--jit-resume)", flush=True)
         else:
             moved = layout.retire_finished(root)
-            from .ec_clean import free_at_end  # EC chunks of the finished run are never restored (issue 12)
+            from .ec_clean import free_at_end  # EC chunks of the finished run are never restored
 
             free_at_end(job_id)
             print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
@@ -339,7 +339,7 @@ def run(args) -> int:
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
     os.environ.pop("JITCKPT_RESTORE_STEP", None)
-    # EC snapshots (issue 12): workers read these; 0 = off, nothing of it runs
+    # EC snapshots: workers read these; 0 = off, nothing of it runs
     os.environ.update({"JITCKPT_EC_EVERY": str(getattr(args, "jit_ec_every", 0)),
                        "JITCKPT_EC_CODE": getattr(args, "jit_ec_code", "auto")})
     if getattr(args, "jit_ec_every", 0):
@@ -358,7 +358,7 @@ def run(args) -> int:
                   "timeout only", file=sys.stderr)
         else:
             os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-            # The shim recovers lost collectives and NCCL errors in place (issue 11);
+            # The shim recovers lost collectives and NCCL errors in place;
             # what it cannot recover falls back to jitckpt's JIT save (Python workers,
             # the hang handler) or to an exit 75 for a restart (any program).
             from .shim_events import SHIM_EVENTS
@@ -381,7 +381,7 @@ def run(args) -> int:
         print(f"jitrun: derived {line}", flush=True)
 
     config, cmd, cmd_args = config_from_args(args)
-    migratable = getattr(args, "jit_migratable", "off") == "on"  # issue 13
+    migratable = getattr(args, "jit_migratable", "off") == "on"
     os.environ.pop("JITCKPT_MIGRATABLE", None)
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
         pypath = str(Path(__file__).resolve().parent.parent)
@@ -407,7 +407,7 @@ def run(args) -> int:
 
         autoload = str(Path(jitckpt.__file__).resolve().parent / "_autoload")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [autoload, os.environ.get("PYTHONPATH")]))
-    if migratable and isinstance(cmd, str) and not args.run_path:  # issue 13: launcher/migrate.py
+    if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migrate.py
         from . import migrate
 
         os.environ[migrate.ENV] = "1"

@@ -1,4 +1,4 @@
-"""CRIU wrapper for process migration (issue 13): find, check, dump, verify, restore.
+"""CRIU wrapper for process migration: find, check, dump, verify, restore.
 
 Which binary: ``$JITCKPT_CRIU``, else ``build/criu/criu`` (the link made by
 ``scripts/build_criu.sh`` / ``make criu``), else the per-machine cache

@@ -53,7 +53,7 @@ class Decision:
     # every shard has a replica that finished the job (its work is done; the
     # failure came after that replica's last minibatch): nothing to restart
     complete: bool = False
-    # issue 12: where the restart's state comes from: "replica" (``step``), "ec" (``ec_step``, decoded
+    # where the restart's state comes from: "replica" (``step``), "ec" (``ec_step``, decoded
     # by the restarted ranks from peers' /dev/shm chunks; ``step`` stays the fallback) or "fresh"
     source: str = "replica"
     ec_step: int | None = None
@@ -122,7 +122,7 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
 
 
 def choose_source(d: Decision, inventories: list[dict]) -> None:
-    """Issue 12's recovery order: a replica checkpoint (this failure's JIT checkpoint is the newest step
+    """The recovery order: a replica checkpoint (this failure's JIT checkpoint is the newest step
     there is, so it wins any tie); else the newest committed EC version decodable from the nodes that
     answered, when newer than the newest persistent replica; else that replica; else a fresh start."""
     from jitckpt import ec_snapshot
@@ -219,7 +219,7 @@ class Coordinator:
         return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
 
 
-# -- issue 12: EC snapshots as a restore source ---------------------------------------------------------
+# -- EC snapshots as a restore source ---------------------------------------------------------
 
 
 def ec_env(d: Decision, env) -> None:

@@ -1,4 +1,4 @@
-"""Moves a rank whose device died while its process lived (issue 13 item 4, paper §4.3).
+"""Moves a rank whose device died while its process lived (paper §4.3).
 
 The shim (``JITCKPT_ON_HANG=recover`` + ``JITCKPT_ON_DEVICE_LOSS=migrate``,
 ``libintercept/src/shim_device.c``) parks such a process at a consistent

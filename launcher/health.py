@@ -1,4 +1,4 @@
-"""Device health through NVML (issue 13): what jitrun checks before every (re)start and
+"""Device health through NVML: what jitrun checks before every (re)start and
 on a period while the job runs.
 
 ``check()`` asks NVML (the ``pynvml`` module of the ``nvidia-ml-py`` wheel, which

@@ -109,7 +109,7 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
             stop = getattr(spec.rdzv_handler, "_stop_heartbeats", None)
             if stop is not None:
                 stop()
-        from .ec_clean import free_at_end  # issue 12: this node's EC chunks go with the job
+        from .ec_clean import free_at_end  # this node's EC chunks go with the job
 
         free_at_end(job_id, events)
         events.emit("job_end", exitcode=code)

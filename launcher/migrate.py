@@ -1,4 +1,4 @@
-"""Job side of CRIU process migration (issue 13): ``--jit-migratable on``.
+"""Job side of CRIU process migration: ``--jit-migratable on``.
 
 With it every worker runs as PID 1 of a PID namespace of its own, session
 leader, with its output in a file of its own

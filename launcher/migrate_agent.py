@@ -1,4 +1,4 @@
-"""Agents' side of ``jitrun migrate`` (issue 13): the source dumps and ships, the target
+"""Agents' side of ``jitrun migrate``: the source dumps and ships, the target
 restores and watches.
 
 The path of one migration ``g`` of rank R from node A to node B (protocol keys in

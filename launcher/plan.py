@@ -8,7 +8,7 @@ Example::
 ``--from-events PATH`` takes o, r and m from a run's ``events.jsonl``; explicit
 flags override them. Exit status: 0 on success, 2 on bad input.
 
-The EC tier (issue 12; formulas in ``jitckpt.model``): ``--correlated-fraction P``
+The EC tier (formulas in ``jitckpt.model``): ``--correlated-fraction P``
 (failures that take every replica of a shard, so no JIT checkpoint is possible) adds
 "JIT + periodic backstop" (persistent checkpoints at their optimal rate for those
 failures); ``--ec-every N`` with ``--ec-snapshot-seconds S`` (or ``--ec-overhead``)
@@ -125,7 +125,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- the EC tier (issue 12): additive; without these flags the output is the paper's table as before ----------
+# -- the EC tier: additive; without these flags the output is the paper's table as before ----------
 
 
 def _add_ec_arguments(parser: argparse.ArgumentParser) -> None:
