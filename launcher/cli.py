@@ -91,7 +91,7 @@ def _parser():
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
-    g.add_argument("--jit-health-interval", type=float, default=30.0,  # launcher/health.py
+    g.add_argument("--jit-health-interval", type=float, default=30.0,  # launcher/devices/health.py
                    help="seconds between NVML health checks of this node's devices while the job runs "
                         "(0: only before each start); a failing device's ranks are migrated or restarted "
                         "without it, as the scheduler hook says (default 30)")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-    from . import scheduler
+    from .devices import scheduler
 
     # every check before claim_root: a rejected command creates nothing on disk
     err = check_args(args)
@@ -415,8 +415,8 @@ def run(args) -> int:
         cmd, cmd_args = migrate.wrap(cmd, cmd_args)
         if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
             # a sticky device error parks the process for a move to a new device
-            # (launcher/device_loss.py) instead of ending it
-            from . import device_loss
+            # (launcher/migration/device_loss.py) instead of ending it
+            from .migration import device_loss
 
             os.environ.setdefault("JITCKPT_ON_DEVICE_LOSS", "migrate")
             os.environ.setdefault(device_loss.DIR_ENV, str(device_loss.control_dir(root)))

@@ -511,3 +511,39 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "restore":
         raise SystemExit(_restore_main(sys.argv[2:]))
     raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD... | restore IMAGES_DIR")
+
+
+# Test hook of the migration paths: break a dump to prove the fallback.
+FAULT_ENV = "JITCKPT_TEST_MIGRATE_FAULT"  # kill-criu | corrupt-image
+
+
+def dump_with_test_faults(pid: int, images: Path, **kw) -> DumpResult:
+    """``criu.dump``, broken as ``JITCKPT_TEST_MIGRATE_FAULT`` says (tests prove the
+    fallbacks with it): ``kill-criu`` (the dumper dies mid-dump) or ``corrupt-image``
+    (one page of the images flipped after a good dump)."""
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault == "kill-criu":
+        # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
+        script = _kill_criu_script(images.parent)
+        try:
+            return dump(pid, images, extra_args=["--action-script", str(script)], **kw)
+        finally:
+            script.unlink(missing_ok=True)
+    d = dump(pid, images, **kw)
+    if fault == "corrupt-image":
+        victim = max((p for p in images.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
+        with open(victim, "r+b") as fh:
+            b = fh.read(1)
+            fh.seek(0)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    return d
+
+
+def _kill_criu_script(where: Path) -> Path:
+    """Test hook: an action script that SIGKILLs the dumping criu at its first action
+    (``post-dump``: images written, the tasks still frozen), as an OOM killer would."""
+    p = where / "kill-criu.sh"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && kill -9 $PPID\nexit 0\n')
+    p.chmod(0o700)
+    return p

@@ -142,7 +142,7 @@ def check_isal() -> Result:
 
 def check_nvml() -> Result:
     """Not a failure without a driver: a CPU node has no device to watch."""
-    from . import health
+    from .devices import health
 
     if not health.available():
         return Result("nvml", True, "no NVML here (libnvidia-ml.so.1 not loadable, or nvidia-ml-py missing): "

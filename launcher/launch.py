@@ -23,8 +23,9 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 from jitckpt import layout
 
 from . import rdzv
-from .agent import JitAgent, JitOptions
+from .agent import JitAgent
 from .events import EventLog, summary
+from .options import JitOptions
 
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str, share_token: bool,
@@ -169,7 +170,7 @@ def entrypoint_name(cmd, cmd_args) -> str:
 
 def error_line(e: BaseException, sched: str = "") -> str:
     """One stderr line for an exception that ends the launch."""
-    from .scheduler import JobAborted
+    from .devices.scheduler import JobAborted
 
     msg = str(e)
     if isinstance(e, JobAborted) or "scheduler hook asked to abort" in msg:

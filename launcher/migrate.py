@@ -30,7 +30,7 @@ def enabled() -> bool:
 
 
 # A --no-python program has no jitckpt runtime, so no minibatch start to pause at:
-# only the shim's lost-device move (launcher/device_loss.py) applies to it.
+# only the shim's lost-device move (launcher/migration/device_loss.py) applies to it.
 NO_PAUSE_ENV = "JITRUN_MIGRATE_NO_PAUSE"
 
 

@@ -54,11 +54,10 @@ from pathlib import Path
 
 from jitckpt import layout
 
-from . import criu, device_loss, migrate, transfer
+from . import criu, migrate, transfer
 from .events import EventLog
+from .migration import device_loss
 
-# Test hooks on the source agent: break the migration at one stage to prove the fallback.
-FAULT_ENV = "JITCKPT_TEST_MIGRATE_FAULT"  # kill-criu | corrupt-image
 PAUSED_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "JITCKPT_MIGRATE_TIMEOUT"  # seconds for the transfer and the restore (default 120)
 
@@ -99,7 +98,7 @@ def migrate_out(*, coord_store, worker_store, token: str, root: Path, gen: int, 
                                         f"(fds {paused['inet_socket_fds']}); a restore elsewhere would fail")
         stage = "dump"
         shutil.rmtree(images, ignore_errors=True)
-        d = dump_with_test_faults(pid, images)
+        d = criu.dump_with_test_faults(pid, images)
         dumped = True
         # (verified where it is restored: a check here, right after the manifest was
         # computed from these very files, would only add a read of every page)
@@ -212,38 +211,6 @@ def _wait_key(store, key: str, timeout_s: float) -> dict | None:
     except Exception:
         return None
     return json.loads(store.get(key))
-
-
-def dump_with_test_faults(pid: int, images: Path, **kw) -> criu.DumpResult:
-    """``criu.dump``, broken as ``JITCKPT_TEST_MIGRATE_FAULT`` says (tests prove the
-    fallbacks with it): ``kill-criu`` (the dumper dies mid-dump) or ``corrupt-image``
-    (one page of the images flipped after a good dump)."""
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault == "kill-criu":
-        # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
-        script = _kill_criu_script(images.parent)
-        try:
-            return criu.dump(pid, images, extra_args=["--action-script", str(script)], **kw)
-        finally:
-            script.unlink(missing_ok=True)
-    d = criu.dump(pid, images, **kw)
-    if fault == "corrupt-image":
-        victim = max((p for p in images.iterdir() if p.name.startswith("pages-")), key=lambda p: p.stat().st_size)
-        with open(victim, "r+b") as fh:
-            b = fh.read(1)
-            fh.seek(0)
-            fh.write(bytes([b[0] ^ 0xFF]))
-    return d
-
-
-def _kill_criu_script(where: Path) -> Path:
-    """Test hook: an action script that SIGKILLs the dumping criu at its first action
-    (``post-dump``: images written, the tasks still frozen), as an OOM killer would."""
-    p = where / "kill-criu.sh"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && kill -9 $PPID\nexit 0\n')
-    p.chmod(0o700)
-    return p
 
 
 # -- remote workers, seen from the source ----------------------------------------------------

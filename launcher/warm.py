@@ -20,7 +20,7 @@ and never holds a process group, so a fork inherits no lock held by a thread
 that does not exist in the child. A forked worker ends in
 ``jitckpt._bootstrap._exit`` (os._exit after flushing, no process-group
 destructor: see there for the deadlock that avoids), which the agent's
-``_mp_progress`` takes as done without a value on the return queue.
+``workers.forked_progress`` takes as done without a value on the return queue.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ needed nor touched.
   slurm.conf, cgroup.conf, munge key/socket, StateSaveLocation, SlurmdSpoolDir,
   logs; ports are probed free first;
 * clients (scontrol, srun, ...) find the cluster through ``SLURM_CONF`` in
-  ``Cluster.env`` (set it in os.environ to make jitrun.slurm use it);
+  ``Cluster.env`` (set it in os.environ to make jitrun.devices.slurm use it);
 * teardown cancels the cluster's jobs, then stops the daemons by PID and kills
   by PID whatever else still carries this cluster's SLURM_CONF in its
   environment (slurmstepd, srun, tasks), and removes the temp dir, even when a

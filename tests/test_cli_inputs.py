@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from jitrun import cli, launch, scheduler
+from jitrun import cli, launch
+from jitrun.devices import scheduler
 
 
 def jitrun(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ update in the optimizer phase) run under the shim with
 JITCKPT_ON_HANG=recover and JITCKPT_ON_DEVICE_LOSS=migrate, each as PID 1 of
 its own PID namespace (the harness's MigratableProcs). One rank's device takes a
 sticky error (JITSIM_STICKY_ERROR_AT: a kernel launch; JITSIM_STICKY_COLL_AT:
-inside NCCL's kernel). The shim parks it; jitrun.device_loss dumps it with
+inside NCCL's kernel). The shim parks it; jitrun.migration.device_loss dumps it with
 CRIU, restores it from the images and hands it a new device (nothing of the
 old device memory survives: the stand-in maps a fresh arena, filled with
 0xDB); the shim re-makes its allocations at their old addresses, refills them
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jitrun import device_loss
+from jitrun.migration import device_loss
 from netns import MigratableProcs
 
 sys.path.insert(0, str(Path(__file__).parent / "intercept" / "shim_progs"))

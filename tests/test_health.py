@@ -35,7 +35,7 @@ def _check(state: str | None, tmp_path: Path, lib: Path | str, code: str = "prin
         f.write_text(state)
     env = {**os.environ, "JITCKPT_NVML_LIB": str(lib), "JITSIM_NVML_STATE": str(f), "JITSIM_NVML_DEVICES": "3",
            "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", "import json; from jitrun import health; " + code], env=env,
+    out = subprocess.run([sys.executable, "-c", "import json; from jitrun.devices import health; " + code], env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     return json.loads(out)
 

@@ -1,4 +1,4 @@
-"""Unit tests for the launcher's scheduler hooks (jitrun.scheduler) and event log (jitrun.events)."""
+"""Unit tests for the launcher's scheduler hooks (jitrun.devices.scheduler) and event log (jitrun.events)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from jitrun import events, scheduler
-from jitrun.scheduler import Placement, SchedulerError
+from jitrun import events
+from jitrun.devices import scheduler
+from jitrun.devices.scheduler import Placement, SchedulerError
 
 FAILURE = {"job_id": "j1", "restart_count": 1, "failed_ranks": [1], "reasons": {"1": "sigkill"},
            "restore_step": 6, "hosts": ["node0"], "devices": "0,1"}

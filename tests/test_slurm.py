@@ -2,7 +2,7 @@
 
 Each check runs inside a real allocation: ``salloc -N 3 python -c ...`` runs a
 helper with the SLURM_JOB_ID / SLURM_JOB_NODELIST Slurm sets, which calls
-``jitrun.scheduler.place("slurm", failure)`` and prints the placement.
+``jitrun.devices.scheduler.place("slurm", failure)`` and prints the placement.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
-from jitrun import scheduler
-from jitrun.scheduler import SchedulerError
+from jitrun.devices import scheduler
+from jitrun.devices.scheduler import SchedulerError
 
 cluster = slurm_cluster.cluster  # the module-scoped Slurm cluster fixture
 
@@ -24,7 +24,7 @@ cluster = slurm_cluster.cluster  # the module-scoped Slurm cluster fixture
 # so the allocation (and with it the srun step) outlives the replacement.
 HELPER = """
 import json, os, sys, time
-from jitrun import scheduler
+from jitrun.devices import scheduler
 failure, marker = json.loads(sys.argv[1]), sys.argv[2]
 assert scheduler.parse_hook("slurm") == "slurm"
 p = scheduler.place("slurm", failure)

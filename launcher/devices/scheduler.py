@@ -11,7 +11,7 @@ placement from its stdout::
     out: {"action": "restart" | "abort", "env": {NAME: VALUE, ...},
           "visible_devices": "0,2" (optional, becomes CUDA_VISIBLE_DEVICES)}
 
-A device found unhealthy while the job runs (NVML, ``launcher/health.py``) is
+A device found unhealthy while the job runs (NVML, ``launcher/devices/health.py``) is
 described with ``"event": "device_unhealthy"`` and its ``ranks``; for that event
 the hook may also answer ``{"action": "migrate", "to": "<node address>"}``: the
 ranks move there live (``jitrun migrate``, needs ``--jit-migratable on``).
@@ -19,7 +19,7 @@ ranks move there live (``jitrun migrate``, needs ``--jit-migratable on``).
 without the device when enough remain.
 
 A device that died under a live process of a ``--jit-migratable on`` job (the
-shim parked the process: ``launcher/device_loss.py``) is described with
+shim parked the process: ``launcher/migration/device_loss.py``) is described with
 ``"event": "device_lost"``, its ``rank``, ``failed_devices`` and the healthy
 devices no local rank uses (``spare_devices``, NVML UUIDs). The hook answers
 ``{"action": "migrate", "to": "<node address>", "device": "<UUID>"}`` (the
@@ -68,6 +68,17 @@ class Placement:
     visible_devices: str | None = None
     to: str | None = None  # action "migrate": the target node's address
     device: str | None = None  # event "device_lost", action "migrate": the device to attach there
+
+    def apply(self, env_keys: set[str]) -> None:
+        """Into this process's environment, for the workers it starts next
+        (``env_keys``: what the agent hands forked workers explicitly)."""
+        os.environ.update(self.env)
+        env_keys.update(self.env)
+        if self.visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
+
+    def summary(self) -> dict:
+        return {"action": self.action, "env": sorted(self.env), "visible_devices": self.visible_devices}
 
 
 def parse_hook(spec: str) -> str:

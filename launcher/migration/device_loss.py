@@ -15,7 +15,7 @@ goes (``device_lost``; :func:`spare_devices` lists this node's unused healthy
 devices for it); :func:`move` dumps the process with CRIU (images checksummed)
 and restores it here on a spare device (``python -m jitrun.criu restore``: the
 restored process is that helper's child and its exit status the helper's), or
-:func:`move_to_node` ships the images to another node's agent
+:func:`devices.watch.move_to_node` ships the images to another node's agent
 (``migrate_agent.Target``), which restores it there; either way :func:`answer`
 writes the resume file with the new device's identity. After that the shim
 attaches the device, re-makes every allocation at its old address, joins the
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import criu
+from .. import criu
 
 LOST = "device-lost-{rank}-{epoch}.json"
 RESUME = "device-resume-{rank}-{epoch}.json"
@@ -173,11 +173,9 @@ def move(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device:
     ``new_device``. Raises :class:`jitrun.criu.CriuError` when the dump or the
     restore fails: the process is then not answered (after a failed dump it still
     runs, parked: tell it with :func:`refuse`)."""
-    from .migrate_agent import dump_with_test_faults
-
     images = Path(images_dir)
     try:
-        d = dump_with_test_faults(host_pid, images, tcp_established=False)
+        d = criu.dump_with_test_faults(host_pid, images, tcp_established=False)
         t0 = time.monotonic()
         helper = subprocess.Popen(criu.restore_and_wait_command(images), stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -191,39 +189,3 @@ def move(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device:
     moved = Moved(helper, int(line[1]), d.seconds, time.monotonic() - t0, d.image_bytes)
     answer(control_dir, req, new_device)
     return moved
-
-
-@dataclass
-class Shipped:
-    """A process restored on another node: ``remote`` reaches it (exit code, signals)."""
-
-    remote: object  # migrate_agent.Remote
-    dump_s: float
-    transfer_s: float
-    restore_s: float
-    image_bytes: int
-
-
-def move_to_node(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device: str,
-                 control_dir: str | os.PathLike, *, to: str, coord_store, token: str,
-                 output: str | None) -> Shipped:
-    """As :func:`move`, to node ``to``: the images (and the output file the process
-    holds open on this node's disk) go to that node's jitrun agent (its
-    ``migrate_agent.Target``), which restores the process and writes the answer at
-    ``control_dir``'s path there. Raises CriuError / MigrationError on failure."""
-    from . import migrate_agent
-
-    images = Path(images_dir)
-    try:
-        d = migrate_agent.dump_with_test_faults(host_pid, images, tcp_established=False)
-        t0 = time.monotonic()
-        got = migrate_agent.ship(coord_store, token, images, output, to, {
-            "rank": req.rank, "device": {"dir": str(control_dir), "epoch": req.epoch, "uuid": new_device}})
-    finally:
-        shutil.rmtree(images, ignore_errors=True)
-    if got.got is None:
-        raise migrate_agent.MigrationError("restore", f"node {to} did not restore rank {req.rank} in time")
-    if not got.got.get("ok"):
-        raise migrate_agent.MigrationError("restore", f"node {to}: {got.got.get('why')}")
-    return Shipped(migrate_agent.Remote(coord_store, token, got.tid, to), d.seconds, got.t_sent - t0,
-                   float(got.got.get("restore_s") or 0.0), d.image_bytes)

@@ -1,0 +1,31 @@
+"""What one jitrun agent is told by its command line, and who it is."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import decide
+
+
+@dataclass
+class JitOptions:
+    root: Path
+    job_id: str
+    token: str
+    timeout_s: float
+    save_timeout_s: float
+    scheduler: str
+    command: list[str] = field(default_factory=list)  # this agent's argv, to start a replacement
+    health_interval_s: float = 0.0  # NVML checks while the job runs (0: only before each start)
+
+
+def this_node(local_addr: str | None) -> decide.NodeInfo:
+    """This agent's identity in the job: its address (``--local-addr``, else
+    the host's FQDN) and PID, and its host name (under Slurm the scheduler's
+    name for the node: several slurmd may share a host)."""
+    addr = local_addr or socket.getfqdn()
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    return decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=host, addr=addr)

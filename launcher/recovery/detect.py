@@ -1,0 +1,43 @@
+"""When a failure episode starts: a worker exited non-zero, a worker reported
+a failure, another node's agent is handling one, or a rank is stopped after
+its peers finished (no collective is left to time out). Agent's main thread."""
+
+from __future__ import annotations
+
+import time
+
+from ..workers import Proc, is_stopped
+from .episode import Failure
+from .reports import ReportBook
+
+
+class Detector:
+    def __init__(self, book: ReportBook, events) -> None:
+        self._book = book
+        self._events = events
+        # an injected fault's announcement only timestamps the failure; detection
+        # is the healthy ranks' (or an exit), as it would be for a real fault
+        self._fault_t: float | None = None
+
+    def check(self, msgs: list[dict], codes: dict[int, int | None], procs: dict[int, Proc],
+              other_node_failed: bool) -> Failure | None:
+        """A new episode, or None. ``msgs``: the reports read this tick;
+        ``codes``: this node's workers' exit codes (None: running)."""
+        failed = any(c not in (None, 0) for c in codes.values())
+        now = [m for m in msgs if self._book.of_this_round(m)]
+        for m in now:
+            if m["event"] == "fault_injected":
+                self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
+        reported = any(m["event"] == "failure_detected" for m in now) or (not failed and other_node_failed)
+        self._book.finished |= {m["rank"] for m in msgs if m["event"] == "finished"}
+        if not failed and not reported and self._book.finished:
+            # a rank stopped in its last minibatch would be waited on forever
+            for r, c in codes.items():
+                if c is None and is_stopped(procs[r].pid):
+                    failed = True
+                    self._events.emit("failure_detected", rank=r, reason="stopped after peers finished")
+        if not (failed or reported):
+            return None
+        f = Failure(time.time())
+        f.fault_t, self._fault_t = self._fault_t, None
+        return f

@@ -1,0 +1,214 @@
+"""One failure episode on this node: from the first failure signal to every
+local worker gone, with as many replicas saved as the job needs.
+
+1. every live worker is asked to save now (SIGTERM; the worker runtime turns
+   it into a JIT save at the next consistent point);
+2. the agent waits until every shard has a complete checkpoint from this
+   failure and no live rank could still publish a newer one, no saver is
+   left, or ``timeout + save_timeout`` passed;
+3. savers that published exit on their own; whatever still runs (stopped or
+   hung ranks, a saver of a replica nobody needs) is SIGKILLed.
+
+Agent's main thread only.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
+
+from ..workers import Proc, is_stopped
+
+
+class Failure:
+    """Book-keeping for one failure episode."""
+
+    def __init__(self, t: float) -> None:
+        self.detected_t = t
+        self.fault_t: float | None = None
+        self.saved: dict[int, dict] = {}
+        self.saving: set[int] = set()
+        self.done: set[int] = set()  # ranks that will not save (failed, skipped, exited)
+        self.reasons: dict[int, str] = {}
+        self.responded: set[int] = set()  # ranks that reported anything since the failure
+        # the step each rank last said it is at (failure_detected, save_started):
+        # a live rank ahead of the newest saved replica may still save a newer one
+        self.rank_step: dict[int, int] = {}
+        self.progress = -1
+        self.minibatch_s: list[float] = []
+        self.killed: list[int] = []
+        self.restore_step: int | None = None
+        self.restart_t: float | None = None
+        self.ckpt_done_t: float | None = None
+        self.stopped_t: float | None = None  # every worker of this node gone
+        self.rdzv_t: float | None = None  # the next round's rendezvous done
+        self.handling_since = time.monotonic()
+        self.diverged = False  # ranks loaded different states: never train on
+
+
+DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps (see the workers' 'state "
+            "divergence' lines); no training step was taken and the job is not restarted. Check that every node "
+            "sees the same jit dir contents or can reach the others.")
+UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
+SAVE_GRACE_S = 1.0  # another replica of a complete step mid-save: not needed, not waited for longer
+EXIT_GRACE_S = 2.0  # savers that published exit on their own within this
+
+
+class Episode:
+    """Runs steps 1-3 for ``f`` over this node's ``procs``.
+
+    ``exited``: rank -> exit code of this node's workers (shared with the
+    agent, which clears it at a restart); ``shards``: rank -> shard from the
+    reports; ``wait(pids, seconds)`` blocks until one of them exits or a
+    report arrives; ``poll()`` reads new reports into ``f``."""
+
+    def __init__(self, f: Failure, procs: dict[int, Proc], *, exited: dict[int, int], shards: dict[int, str],
+                 timeout_s: float, save_timeout_s: float, wait: Callable[[list[int], float], None],
+                 poll: Callable[[], object], events) -> None:
+        self.f = f
+        self.procs = procs
+        self.exited = exited
+        self.shards = shards
+        self.timeout_s = timeout_s
+        self.save_timeout_s = save_timeout_s
+        self.wait = wait
+        self.poll = poll
+        self.events = events
+
+    def run(self) -> None:
+        self._ask_and_wait()
+        self._kill_the_rest()
+        self.f.stopped_t = time.time()
+        self.poll()
+        if self.f.ckpt_done_t is None and self.f.saved:
+            self.f.ckpt_done_t = self.f.stopped_t
+
+    def _note_exits(self) -> list[int]:
+        """Record new exits; the ranks still running."""
+        codes = {r: h.poll() for r, h in self.procs.items()}
+        for r, c in codes.items():
+            if c is not None and r not in self.exited:
+                self.exited[r] = c
+                self.f.done.add(r)
+                self.events.emit("worker_exit", rank=r, exitcode=c,
+                                 signal=signal.Signals(-c).name if c < 0 else None)
+                if c != EXIT_SAVED:
+                    self.f.reasons.setdefault(r, f"exit {c}")
+                if c == EXIT_DIVERGED:
+                    self.f.diverged = True
+        return [r for r, c in codes.items() if c is None]
+
+    def _ask_and_wait(self) -> None:
+        f = self.f
+        deadline = time.monotonic() + self.timeout_s + self.save_timeout_s
+        termed: set[int] = set()
+        termed_at = time.monotonic()
+        grace_until: float | None = None
+        while True:
+            alive = self._note_exits()
+            # Ask live workers to save now instead of waiting for their collectives
+            # to time out; a stopped rank keeps it pending and is killed below.
+            for r in alive:
+                if r not in termed:
+                    termed.add(r)
+                    self.procs[r].signal(signal.SIGTERM)
+            if not alive:
+                return
+            complete = (set(self.shards.values()) or {"0"}) <= {m["shard"] for m in f.saved.values()}
+            if complete:
+                if self._newer_may_come(alive, termed_at):
+                    pass  # a live replica is ahead of the saved step: its save is the one to restore
+                elif not (f.saving & set(alive)):
+                    return
+                elif grace_until is None:
+                    grace_until = time.monotonic() + SAVE_GRACE_S
+                elif time.monotonic() > grace_until:
+                    return
+            elif not f.saving & set(alive) and not self._may_still_save(alive, termed_at):
+                return  # no complete checkpoint will come; fall back to an older one
+            if time.monotonic() > deadline:
+                return
+            self.wait([self.procs[r].pid for r in alive if self.procs[r].pid], 0.1)
+            self.poll()
+
+    def _kill_the_rest(self) -> None:
+        f = self.f
+        exit_by = time.monotonic() + EXIT_GRACE_S
+        while time.monotonic() < exit_by:
+            savers = [self.procs[r].pid for r in f.saved if r in self.procs and self.procs[r].poll() is None]
+            if not savers:
+                break
+            if any(savers):
+                self.wait([p for p in savers if p], exit_by - time.monotonic())
+            else:  # only migrated ranks: their exits come through the store
+                time.sleep(0.05)
+        for r, h in self.procs.items():
+            if h.poll() is None:
+                f.killed.append(r)
+                h.signal(signal.SIGKILL)
+        if f.killed:
+            self.events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
+        for h in self.procs.values():
+            h.wait()
+
+    def _possible_savers(self, alive: list[int], since: float, grace: float) -> list[int]:
+        """Live ranks that could still publish a checkpoint: not one without a
+        save_fn, one already done or saved, one that is stopped, or one that
+        has said nothing for ``grace`` since it was asked to save (a healthy
+        rank answers at once from its watcher thread; a rank hung holding the
+        GIL never does)."""
+        f, now = self.f, time.monotonic()
+        return [r for r in alive if r in self.shards and r not in f.done and r not in f.saved
+                and not is_stopped(self.procs[r].pid) and (r in f.responded or now - since <= grace)]
+
+    def _newer_may_come(self, alive: list[int], since: float) -> bool:
+        """Every shard has a replica, but could a live rank still publish a newer
+        step? One that is saving (or will save at its next minibatch start) a
+        step past the newest saved, or one that has not answered yet: a rank
+        whose failure was its own SIGTERM saves at its minibatch start while its
+        peer completes that minibatch and moves on; restoring the first replica
+        would redo two minibatches."""
+        f = self.f
+        newest = max(int(m["step"]) for m in f.saved.values())
+        return any(f.rank_step[r] > newest if r in f.rank_step else r not in f.responded
+                   for r in self._possible_savers(alive, since, UNHEARD_S))
+
+    def _may_still_save(self, alive: list[int], since: float) -> bool:
+        """Could a live rank still publish a checkpoint (see _possible_savers)?"""
+        grace = max(2.0, min(self.timeout_s, 10.0))
+        return bool(self._possible_savers(alive, since, grace))
+
+
+def culprits(codes: dict[int, int | None], life: dict[int, tuple[float, float]]) -> list[int]:
+    """The ranks torchrun's failure report names, earliest last sign of life
+    first: those that failed, not the healthy ones that saved (exit 75)."""
+    bad = [r for r, c in codes.items() if c not in (0, EXIT_SAVED)] or [r for r, c in codes.items() if c != 0]
+    return sorted(bad, key=lambda r: life.get(r, (0, float("inf")))[1])
+
+
+def failed_ranks(f: Failure | None, exited: dict[int, int]) -> list[int]:
+    """This node's ranks that failed (not the ones that saved and exited 75)."""
+    killed, saved = (set(f.killed), set(f.saved)) if f else (set(), set())
+    return sorted(({r for r, c in exited.items() if c not in (0, EXIT_SAVED)} | killed) - saved)
+
+
+def torchrun_failures(procs: dict[int, Proc], local_of: dict[int, int], error_files: dict,
+                      life: dict[int, tuple[float, float]]) -> dict:
+    """What torchrun's failure report shows when restarts run out: the first
+    failure as root cause (earliest last sign of life first)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    codes = {r: h.poll() for r, h in procs.items()}
+    return {r: ProcessFailure(local_rank=local_of[r], pid=procs[r].pid, exitcode=codes[r],
+                              error_file=error_files[local_of[r]])
+            for r in culprits(codes, life)}
+
+
+def last_alive(f: Failure, exited: dict[int, int], life: dict[int, tuple[float, float]]) -> float | None:
+    """When the first of this node's failed ranks last used CPU."""
+    failed = set(f.killed) | {r for r, c in exited.items() if c not in (0, EXIT_SAVED, 76)}
+    times = [life[r][1] for r in failed if r in life]
+    return min(times) if times else None

@@ -1,0 +1,122 @@
+"""What the workers' reports tell the agent (jitckpt/report.py writes them):
+which shard each rank saves, which finished the job, what each loaded and
+when each reached its start-up milestones this round, and, during a failure
+episode, who detected it, who is saving and what was saved.
+
+Every node reads every rank's reports (the job's decisions need them) but
+writes only its own ranks' to its timeline. Agent's main thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .episode import Failure
+
+
+class ReportBook:
+    def __init__(self, events) -> None:
+        self._events = events
+        self.round = 0
+        self.local_ranks: set[int] = set()
+        self.shards: dict[int, str] = {}  # global rank -> shard, from "registered"
+        self.finished: set[int] = set()  # ranks of the job that finished their script
+        # rank -> (CPU seconds, when they last changed): a failed process's last
+        # sign of life, the failure time when no injector stamped it
+        self.life: dict[int, tuple[float, float]] = {}
+        self.loaded: dict[int, object] = {}  # rank -> step it loaded, this round
+        # this round's start-up milestones per rank: process created,
+        # get_checkpoint_path() asked, first training step entered
+        self.boot: dict[int, float] = {}
+        self.query: dict[int, float] = {}
+        self.train: dict[int, float] = {}
+        self.migrating: dict[int, list[dict]] = {}  # gen -> this node's ranks' "migrating" reports
+
+    def new_round(self, round_: int, local_ranks: set[int]) -> None:
+        self.round = round_
+        self.local_ranks = set(local_ranks)
+        for d in (self.loaded, self.life, self.boot, self.query, self.train):
+            d.clear()
+
+    def of_this_round(self, m: dict) -> bool:
+        """False for a report of an earlier round read late: the reader waits up
+        to SLOT_GRACE_S on a slot a killed writer left empty, so reports written
+        after it can arrive in the next round. Every use of a report for this
+        round's failure, restore or recovery record asks this first."""
+        return m.get("attempt", self.round) == self.round
+
+    def track_life(self, cpu: dict[int, float | None]) -> None:
+        now = time.time()
+        for r, secs in cpu.items():
+            if secs is not None and (r not in self.life or self.life[r][0] != secs):
+                self.life[r] = (secs, now)
+
+    def done_ranks(self, exited: dict[int, int]) -> set[int]:
+        """Ranks that finished the job: reported by any node, or exited 0 here."""
+        return self.finished | {k for k, c in exited.items() if c == 0}
+
+    def absorb(self, m: dict, failure: Failure | None, on_resumed: Callable[[dict], None]) -> None:
+        ev, rank = m["event"], m.get("rank")
+        current = self.of_this_round(m)
+        if ev in ("loaded", "started") and not current:
+            return  # this round's facts only
+        if ev == "registered":
+            self.shards[rank] = m["shard"]
+            return
+        if ev == "finished":
+            self.finished.add(rank)
+            if m.get("loaded") is not None and self.loaded.get(rank) is None and current:
+                self.loaded[rank] = m["loaded"]
+            if current:
+                # restored after the last minibatch (e.g. a save at a barrier
+                # after the loop): the job ends without another minibatch
+                on_resumed(m)
+        if ev == "loaded":
+            self.loaded[rank] = m.get("loaded")
+            self.train[rank] = m["t"]
+            if m.get("query_t"):
+                self.query[rank] = m["query_t"]
+        if ev == "started":
+            self.boot[rank] = m.get("proc_start_t") or m["t"]
+        if ev == "migrating" and rank in self.local_ranks and current:
+            self.migrating.setdefault(int(m["gen"]), []).append(m)
+        local = rank is None or rank in self.local_ranks
+        # an earlier round's report read late goes to the timeline but says
+        # nothing about this round's failure or recovery
+        if ev == "resumed":
+            if local:
+                self._events.emit("resumed", t=m["t"], rank=rank, step=m["step"])
+            if current:
+                on_resumed(m)
+            return
+        if local:
+            self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
+        if failure is not None and current:
+            self._episode_fact(failure, ev, rank, m)
+
+    def _episode_fact(self, f: Failure, ev: str, rank: int | None, m: dict) -> None:
+        if rank is not None and ev != "fault_injected":
+            f.responded.add(rank)
+        if ev == "fault_injected" and f.fault_t is None:
+            f.fault_t = m["t"]
+        if m.get("minibatch_s"):
+            f.minibatch_s.append(m["minibatch_s"])
+        if "step" in m:
+            f.progress = max(f.progress, int(m["step"]))
+            if rank is not None and ev in ("failure_detected", "save_started"):
+                f.rank_step[rank] = int(m["step"])
+        if ev == "failure_detected":
+            f.detected_t = min(f.detected_t, m["t"])
+            f.reasons.setdefault(rank, m.get("reason", "?"))
+        elif ev == "save_started":
+            f.saving.add(rank)
+        elif ev == "checkpoint_saved":
+            f.saving.discard(rank)
+            f.saved[rank] = m
+            shards = set(self.shards.values()) or {"0"}
+            if f.ckpt_done_t is None and shards <= {s["shard"] for s in f.saved.values()}:
+                f.ckpt_done_t = m["t"]
+        elif ev in ("checkpoint_failed", "checkpoint_skipped"):
+            f.saving.discard(rank)
+            f.done.add(rank)

@@ -1,0 +1,184 @@
+"""Which state the restarted workers load, and making it present here.
+
+After a failure every agent posts its node's inventory of verified replicas;
+one decision for the job (``decide``: the newest step complete for every
+shard across all nodes, or an EC snapshot; first writer wins) names the
+step and which nodes hold it. Before the next start, an agent whose node
+lacks the chosen replica fetches it from one that has it (``transfer``).
+Without a coordination store this node's disk is all there is.
+
+Main thread, except ``transfer.ReplicaServer``'s own thread (its own store
+connection, reading replica files only).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from jitckpt import layout
+
+from .. import decide, transfer
+from .episode import Failure
+
+STATIC_LOST = ("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) cannot "
+               "continue without a lost node or admit a replacement or spare; launch with --rdzv-backend c10d "
+               "--rdzv-endpoint HOST:PORT --nnodes MIN:MAX to recover from node loss")
+
+
+class Restorer:
+    def __init__(self, jit, node, events, env_keys: set[str]) -> None:
+        self._jit = jit
+        self._node = node
+        self._events = events
+        self._env_keys = env_keys
+        self.coord: decide.Coordinator | None = None
+        self._server: transfer.ReplicaServer | None = None
+        self.decision: decide.Decision | None = None
+
+    def join_round(self, store, round_: int, group_rank: int) -> None:
+        """Say which node holds ``group_rank`` this round (``store``: the
+        coordination store, or None)."""
+        if store is None:
+            return
+        if self.coord is None:
+            # our blocking waits must not share the heartbeat thread's connection
+            self.coord = decide.Coordinator(transfer.own_connection(store), self._jit.token, self._node)
+            self._server = transfer.ReplicaServer(store, self._jit.token, self._node.node_id,
+                                                  self._jit.root, self._jit.job_id).start()
+        self.coord.announce(round_, group_rank)
+
+    def close(self) -> bool:
+        """False if the replica server thread would not stop."""
+        if self._server is None or self.coord is None:
+            return True
+        return self._server.stop(self.coord.store)
+
+    def prepare(self, local_ranks: set[int]) -> None:
+        """Make the job's restore step and its replicas present on this node.
+
+        The newest decision in the store is the job's, also for an agent that
+        joined after the failure (a replacement or a spare)."""
+        if self.coord is None:
+            return
+        d = self.coord.latest()
+        if d is None:
+            return
+        self.decision = d
+        os.environ["JITCKPT_RESTORE_STEP"] = "none" if d.step is None else str(d.step)
+        # an EC version was chosen: the workers decode it, d.step stays their fallback
+        decide.ec_env(d, os.environ)
+        self._env_keys |= {"JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"}
+        if d.step is None:
+            return
+        need = sorted({d.shard_of_rank.get(str(r)) for r in local_ranks} - {None}) or d.shards
+        for shard in need:
+            self._fetch(d, shard)
+
+    def _fetch(self, d: decide.Decision, shard: str) -> None:
+        assert self.coord is not None and d.step is not None
+        t0 = time.monotonic()
+        path, errors, fetched = transfer.ensure_local(
+            self.coord.store, self._jit.token, root=self._jit.root, job_id=self._jit.job_id, step=d.step,
+            shard=shard, sources=d.sources.get(shard, []), self_node=self._node.node_id,
+            timeout_s=self._jit.save_timeout_s)
+        for e in errors:
+            self._events.emit("replica_fetch_failed", step=d.step, shard=shard, error=e)
+        if path is None:
+            print(f"jitrun: no copy of step {d.step} shard {shard} could be brought to this node "
+                  f"({'; '.join(errors) or 'no source'}); its ranks will refuse to start", file=sys.stderr,
+                  flush=True)
+        elif fetched is not None:
+            self._events.emit("replica_fetched", step=d.step, shard=shard, path=str(path), source=fetched,
+                              bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+                              seconds=round(time.monotonic() - t0, 3))
+
+    def choose(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
+               done_ranks: set[int], last_alive: float | None, poll: Callable[[], object], static: bool,
+               ) -> tuple[bool, bool]:
+        """Set the restore step (``f.restore_step`` and the workers'
+        JITCKPT_RESTORE_STEP). Returns (finished, abort): finished when every
+        shard has a replica that finished the job before the failure (nothing
+        to restart); abort when a node was lost under the static rendezvous."""
+        jit_steps = {int(m["step"]) for m in f.saved.values()}
+        abort = False
+        if self.coord is None:  # no coordination store: this node's disk is all we know
+            replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
+            all_shards = set(shards.values()) | {r.shard for r in replicas} or {"0"}
+            step = layout.select_step(replicas, all_shards)
+            if decide.all_shards_finished({str(k): v for k, v in shards.items()}, done_ranks, all_shards):
+                return True, False
+        else:
+            d = self._decide(f, round_=round_, group_world_size=group_world_size, shards=shards,
+                             done_ranks=done_ranks, last_alive=last_alive, poll=poll)
+            if d.complete:
+                return True, False
+            abort = bool(d.lost) and static
+            step = d.step
+            # saved after this failure was seen, on any node (this agent may
+            # not have read the other nodes' reports yet)
+            if step is not None and any(src.get("saved_at", 0.0) >= f.detected_t - 1.0
+                                        for srcs in d.sources.values() for src in srcs):
+                jit_steps.add(step)
+            # an EC snapshot chosen job-wide replaces an older (or no) replica step
+            if d.source == "ec":
+                step = d.ec_step
+        self._announce(f, step, jit_steps, bool(shards))
+        f.restore_step = step
+        os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
+        return False, abort
+
+    def _announce(self, f: Failure, step: int | None, jit_steps: set[int], registered: bool) -> None:
+        if step is None and not registered:
+            # drop-in: the script restarts as it would under torchrun, on its own checkpoints if it has any
+            self._events.emit("no_jit_checkpoint", fallback_step=None, why="no save_fn registered")
+            print("jitrun: no rank registered a save_fn (jitckpt.register): restarting the script, which resumes "
+                  "from its own checkpoints if it keeps any", flush=True)
+        elif step is None or step not in jit_steps:
+            self._events.emit("no_jit_checkpoint", fallback_step=step,
+                              why="no shard-complete checkpoint from this failure")
+            print(f"jitrun: no complete JIT checkpoint for every shard after this failure; "
+                  f"{'falling back to step ' + str(step) if step is not None else 'the workers restart without one'}",
+                  flush=True)
+
+    def _decide(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
+                done_ranks: set[int], last_alive: float | None, poll: Callable[[], object]) -> decide.Decision:
+        """The job-wide decision for this failure: post this node's replicas,
+        wait for every node of the round (a node whose agent has not even
+        started handling the failure within a few seconds is taken as lost),
+        first writer wins."""
+        coord = self.coord
+        assert coord is not None
+        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks)
+        inv["last_alive"] = last_alive
+        coord.post(round_, inv)
+        nodes = coord.nodes(round_, group_world_size)
+        # every live agent joins within a monitor tick of the first one (the
+        # round's "failed" key); one that has not started by then is gone
+        grace = f.handling_since + 3.0
+        final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
+        invs = coord.wait_inventories(round_, nodes, grace, final)
+        # the other nodes posted after their savers exited: their ranks'
+        # reports (checkpoint_saved, the step in progress) are in the store
+        # now, and the record this node may write needs them
+        poll()
+        d = decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
+                           decided_by=self._node.node_id)
+        lives = [i["last_alive"] for i in invs if i.get("last_alive")]
+        if f.fault_t is None and lives:
+            f.fault_t = min(min(lives), f.detected_t)
+        won = coord.publish(d)
+        self.decision = won
+        self._events.emit("restore_decision", round=round_, step=won.step, why=won.why, decided_by=won.decided_by,
+                          lost=[n["node_id"] for n in won.lost],
+                          sources={sh: [s["node_id"] for s in srcs] for sh, srcs in won.sources.items()})
+        if won.lost:
+            print(f"jitrun: node(s) {', '.join(n['addr'] for n in won.lost)} did not answer after the failure; "
+                  "taken as lost", flush=True)
+        # which source the restart uses, why not a better one, steps lost
+        if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
+            self._events.emit("restore_source", **decide.source_event(won, f.progress))
+            print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
+        return won

@@ -1,0 +1,140 @@
+"""This node's worker processes, wherever they run now, and the facts the
+agent reads about them (psutil: state, CPU time).
+
+A worker is normally a child of torchrun's process context (a subprocess,
+or a forkserver child under the warm start). A migrated worker runs on
+another node (or, after a lost device, as a restored process here) and is
+reached through a handle with the same poll / wait / signal surface.
+Main thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from jitckpt import layout
+
+from .migrate_agent import Remote
+
+
+@dataclass
+class Proc:
+    pid: int  # 0: runs on another node (migrated), reached through send
+    poll: Callable[[], int | None]
+    wait: Callable[[], object]
+    send: Callable[[int], None] | None = None
+
+    def signal(self, sig: int) -> None:
+        if self.send is not None:
+            self.send(sig)
+            return
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Whereabouts:
+    """Where this node's migratable ranks run: the host PID of each rank's
+    namespace init (what CRIU dumps), its output file (held open, on this
+    node's disk), and the ranks that left their first process (a ``jitrun
+    migrate`` to another node, or a lost device's process moved)."""
+
+    moved: dict[int, object] = field(default_factory=dict)
+    ns_pids: dict[int, int] = field(default_factory=dict)
+    outputs: dict[int, str] = field(default_factory=dict)
+
+    def reset(self, ranks: dict[str, dict]) -> None:
+        self.ns_pids = {int(r): w["pid"] for r, w in ranks.items() if w["pid"]}
+        self.outputs = {int(r): w["output"] for r, w in ranks.items()}
+        self.moved.clear()
+
+    def procs(self, pcontext, wg: WorkerGroup) -> dict[int, Proc]:
+        """Global rank -> process, for both of torchrun's process contexts
+        (subprocesses, or forkserver children with the warm start)."""
+        assert pcontext is not None
+        if hasattr(pcontext, "subprocess_handlers"):
+            procs = {wg.workers[lr].global_rank: Proc(h.proc.pid, h.proc.poll, h.proc.wait)
+                     for lr, h in pcontext.subprocess_handlers.items()}
+        else:
+            procs = {wg.workers[lr].global_rank: Proc(p.pid, _mp_poll(p), p.join)
+                     for lr, p in enumerate(pcontext._pc.processes)}
+        for r, remote in self.moved.items():  # its wrapper here ended with the dump
+            procs[r] = Proc(getattr(remote, "pid", 0), remote.poll, remote.wait, remote.send)
+        return procs
+
+
+def _mp_poll(p) -> Callable[[], int | None]:
+    return lambda: p.exitcode
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (None: gone)."""
+    if pid <= 0:
+        return None
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except (psutil.Error, ValueError):
+        return None
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (state T), e.g. SIGSTOP."""
+    if pid <= 0:
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except (psutil.Error, ValueError):
+        return False
+
+
+def alive(pid: int) -> bool:
+    return pid > 0 and psutil.pid_exists(pid)
+
+
+def forked_progress(pcontext, wg: WorkerGroup, procs: dict[int, Proc]) -> RunResult:
+    """Success path for forked workers, without MultiprocessContext._poll:
+    its ProcessContext.join(-1) answers any failure by terminating every
+    other worker and waiting for them, which would hang on a stopped rank
+    and race our JIT saves. A forked worker returns its value through a
+    queue and then waits until the parent has read them all; a worker
+    started through jitckpt's bootstrap ends with os._exit(0) before that
+    (see jitckpt._bootstrap), so exit code 0 counts as done."""
+    pc = pcontext
+    for lr in range(pc.nprocs):
+        q = pc._ret_vals[lr]
+        if lr not in pc._return_values and not q.empty():
+            pc._return_values[lr] = q.get()
+        elif lr not in pc._return_values and pc._pc.processes[lr].exitcode == 0:
+            pc._return_values[lr] = None
+    if not pc._is_done():
+        return RunResult(state=WorkerState.HEALTHY)
+    pc._worker_finished_event.set()
+    for p in procs.values():
+        p.wait()
+    if any(p.poll() != 0 for p in procs.values()):
+        return RunResult(state=WorkerState.HEALTHY)  # a failed exit: the next tick handles it
+    values = {wg.workers[lr].global_rank: v for lr, v in pc._return_values.items()}
+    pc.close()
+    return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+
+def write_ranks(root: Path, procs: dict[int, Proc], where: Whereabouts, node, attempt: int) -> None:
+    """This node's ranks and their PIDs, in <jit dir>/ranks.json (a
+    migratable rank's is the worker's, not its namespace wrapper's; a rank
+    migrated to another node is listed there)."""
+    ranks = {r: {"pid": where.ns_pids.get(r, p.pid), "node": node.node_id, "host": node.host, "attempt": attempt}
+             for r, p in procs.items() if not isinstance(where.moved.get(r), Remote)}
+    try:
+        layout.update_ranks(root, ranks, replace=True)
+    except OSError as e:
+        print(f"jitrun: could not write {root / layout.RANKS_FILE}: {e}", file=sys.stderr, flush=True)
