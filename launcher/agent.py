@@ -24,7 +24,6 @@ between them, so no locks.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -39,7 +38,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from jitckpt import layout
+from jitckpt import auth, layout
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 from jitckpt.report import ReportReader, connect
 
@@ -136,6 +135,8 @@ class JitAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._jit = jit
         self._events = events
+        # a record in the store that does not verify under the job token: one line in the timeline
+        auth.on_reject(lambda what, why: events.emit("record_rejected", what=what, why=why))
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
         self._shards: dict[int, str] = {}  # global rank -> shard, from "registered"
@@ -589,7 +590,9 @@ class JitAgent(LocalElasticAgent):
         store = self._reader_store(wg)
         coord = self._coord.store if self._coord is not None else None
         for gen, msgs in sorted(self._migrating.items()):
-            req = json.loads(store.get(migrate.key(self._jit.token, gen, "req")))
+            req = migrate.read_request(store, self._jit.token, gen)
+            if req is None:
+                continue  # not a request of this job (one line in the timeline)
             moving = migrate.moving_ranks(req)
             mine = [int(m["rank"]) for m in msgs]
             resume = None

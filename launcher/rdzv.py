@@ -51,24 +51,25 @@ def coordination_store(handler):
     return getattr(handler, "_store", None) if _dynamic(handler) else None
 
 
-def _ok_key(token: str) -> str:
-    return f"jitckpt/{token}/job-succeeded"
-
-
 def mark_succeeded(handler, token: str) -> None:
     """An agent whose workers finished the job says so before closing the rendezvous."""
+    from jitckpt import auth
+
     store = coordination_store(handler)
     if store is not None:
         try:
-            store.set(_ok_key(token), "1")
+            auth.of(token).put(store, True, "job-succeeded")
         except Exception:
             pass  # the endpoint went first: waiting agents then report no success
 
 
 def job_succeeded(handler, token: str) -> bool:
+    """Did an agent of the job (a sealed record, not anyone's key) say it finished?"""
+    from jitckpt import auth
+
     store = coordination_store(handler)
     try:
-        return store is not None and store.check([_ok_key(token)])
+        return store is not None and auth.of(token).get(store, "job success mark", "job-succeeded") is True
     except Exception:
         return False
 
