@@ -181,11 +181,7 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
                 if not data:
                     break
                 if n >= WINDOW:
-                    try:
-                        store.wait([_k(token, "data", tid, "ack", n - WINDOW)], timedelta(seconds=ack_timeout_s))
-                    except Exception:
-                        raise TransferError(f"the receiver took nothing more within {ack_timeout_s:.0f}s "
-                                            f"({sent} bytes sent)") from None
+                    _wait_ack(store, token, tid, n - WINDOW, ack_timeout_s, sent)
                 if corrupt is not None and corrupt(rel):
                     corrupt = None
                     data = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -193,6 +189,18 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
                 sent += len(data)
                 n += 1
     return sent
+
+
+def _wait_ack(store, token: str, tid: str, n: int, timeout_s: float, sent: int) -> None:
+    """Chunk ``n`` was taken; TransferError when the receiver gave up on the transfer
+    (``abort``, e.g. a manifest that did not match: it then acknowledges what the
+    sender may wait for) or took nothing for ``timeout_s``."""
+    try:
+        store.wait([_k(token, "data", tid, "ack", n)], timedelta(seconds=timeout_s))
+    except Exception:
+        raise TransferError(f"the receiver took nothing more within {timeout_s:.0f}s ({sent} bytes sent)") from None
+    if store.check([_k(token, "data", tid, "abort")]):
+        raise TransferError(f"the receiver gave up on the transfer ({sent} bytes sent)")
 
 
 def send_failed(store, token: str, tid: str, why: str) -> None:
@@ -290,6 +298,8 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp, layout.DIR_MODE)
     t0 = time.monotonic()
+    chunks: _Chunks | None = None
+    ok = False
     try:
         try:
             meta = wait_meta(store, token, tid, timeout_s)
@@ -311,11 +321,19 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
             shutil.rmtree(final)
         os.rename(tmp, final)
         layout.fsync_dir(final.parent)
+        ok = True
         return final
     except peer_files.RefusedFile as e:
         raise TransferError(f"node {source['node_id']}: {e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became ``final``
+        if not ok and chunks is not None:
+            try:  # a sender waiting for acknowledgements stops now, not after its timeout
+                store.set(_k(token, "data", tid, "abort"), b"")
+                for n in range(chunks.n, chunks.n + WINDOW + 1):
+                    store.set(_k(token, "data", tid, "ack", n), b"")
+            except Exception:
+                pass
 
 
 def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard: str, sources: list[dict],

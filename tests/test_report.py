@@ -38,7 +38,7 @@ def test_round_trip_in_order(server, client):
     assert reader.poll() == []
     w0.send("started", pid=11)
     w1.send("failure_detected", reason="sigterm", step=4)
-    w0.send("checkpoint_saved", step=4, seconds=0.25)
+    w0.send("checkpoint_saved", step=4, shard="0", seconds=0.25)
     msgs = reader.poll()
     assert [(m["event"], m["rank"]) for m in msgs] == [
         ("started", 0), ("failure_detected", 1), ("checkpoint_saved", 0)]
