@@ -550,6 +550,9 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                             n = conn.recv_into(view, min(left, STREAM_BUF), socket.MSG_WAITALL)
                             _write_all(fd, view[:n])
                     except OSError as e:
+                        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_RCVTIMEO: the deadline came
+                            raise TransferError(f"transfer {tid}: not complete by its deadline ({left} bytes of "
+                                                f"{rel} missing)") from None
                         raise TransferError(f"transfer {tid}: receiving {rel} failed ({e})") from None
                     if not n:
                         raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")
