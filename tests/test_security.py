@@ -514,6 +514,8 @@ def test_job_under_attack_ends_exact_or_stops_loudly(tmp_path, reference):
     events = [json.loads(x) for x in (jit / "events.jsonl").read_text().splitlines()]
     loaded = {json.dumps(e["loaded"]) for e in events if e["event"] == "loaded"}
     assert "999" not in loaded, loaded
+    print(f"attacked job: exit {cp.returncode}, {attacker.forged} records forged; last lines:\n"
+          + "\n".join(cp.stdout.strip().splitlines()[-3:]))
     if cp.returncode == 0:
         assert_same_state(reference(2, 16), out)
     else:  # a record it needed was overwritten: the job says so and stops
