@@ -11,10 +11,9 @@ reporter's (TCPStore clients serialize their own calls).
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 
-from .report import namespace
+from . import auth
 
 NOT_ASKED = None
 FRESH = "fresh"
@@ -33,15 +32,30 @@ class StateDivergence(RuntimeError):
             "(check the jit dirs and the events of every node)")
 
 
+LOADED = auth.Schema({"value": (int, str, type(None))})
+
+
+class StateTampered(RuntimeError):
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"the record of what rank {rank} loaded does not verify under the job token: something "
+                         "outside the job wrote to its store (see the README's threat model). No training step "
+                         "was taken")
+
+
 def check_loaded(store, token: str, attempt: int, rank: int, world_size: int, value: object,
                  timeout_s: float) -> dict[int, object]:
     """Post ``value`` for ``rank``, wait for every rank, raise StateDivergence
     if two ranks that asked loaded different things; returns what each loaded."""
-    base = f"{namespace(token)}/loaded/{attempt}"
-    store.set(f"{base}/{rank}", json.dumps({"value": value}))
-    keys = [f"{base}/{r}" for r in range(world_size)]
+    a = auth.of(token)
+    a.put(store, {"value": value}, "loaded", attempt, rank)
+    keys = [a.key("loaded", attempt, r) for r in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout_s))
-    loaded = {r: json.loads(store.get(k))["value"] for r, k in enumerate(keys)}
+    loaded = {}
+    for r, k in enumerate(keys):
+        rec = a.open(k, store.get(k), f"rank {r}'s loaded step", LOADED)
+        if rec is None:  # unknown is not "the same": training on could mix states
+            raise StateTampered(r)
+        loaded[r] = rec["value"]
     asked = {r: v for r, v in loaded.items() if v is not NOT_ASKED}
     if len(set(map(str, asked.values()))) > 1:
         raise StateDivergence(asked)

@@ -135,8 +135,11 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
             got[index] = payload
         except (OSError, ec_pack.ChunkError) as e:
             bad.append(str(e))
-    stage = ec_snapshot.job_root(job) / "stage"
-    layout.makedirs_private(stage)
+    try:
+        stage = ec_snapshot.private_root(job) / "stage"
+        layout.makedirs_private(stage)
+    except layout.CheckpointDirError:  # not ours (scan_node found nothing there): a private temp dir
+        stage = Path(tempfile.mkdtemp(prefix="jitckpt-ec-stage-", dir=ec_snapshot.shm_base()))
     for index, t, w in recvs:
         w.wait()
         fd, tmp = tempfile.mkstemp(prefix=f".r{me}.c{index}.", suffix=".chunk", dir=stage)  # 0600

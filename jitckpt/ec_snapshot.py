@@ -223,6 +223,15 @@ def job_root(job_id: str, base: Path | None = None) -> Path:
     return (base or shm_base()) / f"jitckpt-{ec_pack.job_key(job_id)}"
 
 
+def private_root(job_id: str, base: Path | None = None) -> Path:
+    """:func:`job_root`, created 0700 by us or an existing one of ours (tightened), else
+    layout.CheckpointDirError: /dev/shm is shared by every user of the node and the name is
+    predictable, so a directory someone else made there could hold chunks of their choosing."""
+    root = job_root(job_id, base)
+    layout.own_private_dir(root)
+    return root
+
+
 def ec_dir(job_id: str, base: Path | None = None) -> Path:
     return job_root(job_id, base) / "ec"
 
@@ -241,6 +250,8 @@ def scan_node(job_id: str, base: Path | None = None) -> dict:
     key = ec_pack.job_key(job_id)
     commits: dict[int, dict] = {}
     chunks: list[list[int]] = []
+    if not layout.is_own_private_dir(job_root(job_id, base)):
+        return {"commits": [], "chunks": []}  # none, or someone else's: nothing in it is ours
     try:
         entries = list(os.scandir(d))
     except OSError:
@@ -443,6 +454,7 @@ class Snapshotter:
         try:
             old = os.umask(0o077)
             try:
+                private_root(self.job)
                 if stage.exists():
                     shutil.rmtree(stage)
                 layout.makedirs_private(stage)
@@ -520,7 +532,12 @@ class Snapshotter:
             except Exception as e:
                 log(f"rank {self.rank}: EC snapshot at step {step}: pack failed ({e}); skipped")
         d = ec_dir(self.job)
-        if self.committed is None and g.leader():
+        try:
+            private_root(self.job)
+        except layout.CheckpointDirError as e:  # every rank then skips this version (the "staged" all-gather)
+            log(f"rank {self.rank}: EC snapshot at step {step}: {e}; skipped")
+            buf = None
+        if buf is not None and self.committed is None and g.leader():
             # Partial versions of an earlier attempt: never mixed with ours. Before the all-gather
             # below, which no rank of this node passes before its leader: a rank past it may
             # already be writing this version's (still uncommitted) chunks here.

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -89,6 +90,43 @@ def makedirs_private(path: Path) -> None:
             pass
 
 
+def own_private_dir(path: Path) -> None:
+    """``path`` as a directory of this user with mode 0700: created here, or an
+    existing one of ours (tightened to 0700). A symlink, a non-directory or another
+    user's directory is refused (CheckpointDirError): its owner could swap or plant
+    what we write and read there."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise CheckpointDirError(f"{path}: cannot create it ({e.strerror})") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise CheckpointDirError(f"{path} is not a directory of ours ({e.strerror}: a symlink or a file?); "
+                                 "remove it or choose another path") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise CheckpointDirError(
+                f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): its owner could change "
+                "what jitckpt writes there. Remove it (as its owner or root) or choose another path")
+        if st.st_mode & 0o7777 != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
+
+
+def is_own_private_dir(path: Path) -> bool:
+    """An existing directory (not a symlink) of this user that no one else can write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write via temp file + fsync + rename + dir fsync."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -134,7 +172,11 @@ def claim_root(root: Path, job_id: str) -> None:
     would restore the wrong model.
     """
     try:
-        makedirs_private(root)
+        makedirs_private(root.parent)
+        try:
+            own_private_dir(root)
+        except CheckpointDirError as e:
+            raise CheckpointDirError(f"jit dir: {e} (--jit-dir)") from None
         probe = root / f".probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()

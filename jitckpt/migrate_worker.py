@@ -45,6 +45,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from . import auth
+
 RESUME = "resume-{gen}.json"
 PAUSED = "paused-{gen}.json"
 
@@ -288,7 +290,30 @@ def pause(ctl_dir: str | os.PathLike, gen: int, rank: int, world_size: int, *, s
 
 
 def _key(token: str, *parts: object) -> str:
-    return "/".join([f"jitckpt/{token}/migrate", *map(str, parts)])
+    return auth.of(token).key("migrate", *parts)
+
+
+def _put(store, token: str, value: object, *parts: object) -> None:
+    auth.of(token).put(store, value, "migrate", *parts)
+
+
+def _get(store, token: str, what: str, *parts: object, schema: auth.Schema | None = None):
+    """The sealed record at ``migrate/<parts>``, or None (absent, or rejected with one line)."""
+    return auth.of(token).get(store, what, "migrate", *parts, schema=schema)
+
+
+def _ranks(rec: dict) -> str | None:
+    return None if auth.int_list(rec["ranks"]) and all(r >= 0 for r in rec["ranks"]) else "ranks"
+
+
+REQUEST = auth.Schema({"ranks": list, "to": str, "t": (int, float)}, nested=_ranks)
+RESUME_RECORD = auth.Schema({"gen": int, "prefix": str, "store": list},
+                     nested=lambda r: None if len(r["store"]) == 2 and isinstance(r["store"][0], str)
+                     and auth.is_a(r["store"][1], int) else "store")
+
+
+def read_request(store, token: str, gen: int) -> dict | None:
+    return _get(store, token, f"migration request {gen}", gen, "req", schema=REQUEST)
 
 
 class Watch:
@@ -322,9 +347,14 @@ class Watch:
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.005)
-            req = json.loads(self.store.get(_key(self.token, n, "req")))
-            at = int(self.store.compare_set(_key(self.token, n, "at"), "", str(step + 1)))
-            self.pending = (n, req, at)
+            req = read_request(self.store, self.token, n)
+            if req is None:
+                return None  # not a request of the job: ignored (one line)
+            a, key = auth.of(self.token), _key(self.token, n, "at")
+            won = a.open(key, self.store.compare_set(key, "", a.seal(key, step + 1)), f"pause step of migration {n}")
+            if not auth.is_a(won, int):
+                return None
+            self.pending = (n, req, won)
         n, req, at = self.pending
         if step < at:
             return None
@@ -340,18 +370,19 @@ class MigrationFailed(RuntimeError):
 
 def moving_ranks(req: dict) -> list[int]:
     """The ranks a request moves: ``{"ranks": [...]}`` (a whole node), or ``{"rank": R}``."""
-    return [int(r) for r in req.get("ranks", [req.get("rank")]) if r is not None]
+    return [int(r) for r in req["ranks"]]
 
 
 def _wait_store_resume(store, token: str, gen: int, timeout: float | None,
                        stop: Callable[[], str | None] | None) -> dict:
     deadline = None if timeout is None else time.monotonic() + timeout
-    ok, failed = _key(token, gen, "resume"), _key(token, gen, "failed")
     while True:
-        if store.check([failed]):
-            raise MigrationFailed(f"migration {gen} failed: {store.get(failed).decode(errors='replace')}")
-        if store.check([ok]):
-            return json.loads(store.get(ok))
+        why = _get(store, token, f"failure of migration {gen}", gen, "failed")
+        if isinstance(why, str):
+            raise MigrationFailed(f"migration {gen} failed: {why}")
+        res = _get(store, token, f"resume of migration {gen}", gen, "resume", schema=RESUME_RECORD)
+        if res is not None:
+            return res
         why = stop() if stop is not None else None
         if why:
             raise MigrationFailed(f"migration {gen} abandoned: {why}")
@@ -381,14 +412,14 @@ def at_minibatch_start(watch: Watch, rank: int, world_size: int, ctl_root: str |
     if rank in moving_ranks(req):
         if before_close is not None:
             before_close(gen, req)
-        watch.store.set(_key(token, gen, "paused", rank), str(step))
+        _put(watch.store, token, {"step": step}, gen, "paused", rank)
         watch.store = None  # the caller's Watch must not keep the connection open across the dump
         ctl = Path(ctl_root) / f"rank{rank}"
         ctl.mkdir(parents=True, exist_ok=True)
         _, store = pause(ctl, gen, rank, world_size, step=step, extra_stores=stores, timeout=timeout, stop=stop)
         return gen, req, store, Watch(store, token)
     inv = teardown(wait_sockets=False)  # not dumped: its sockets stay, by design
-    watch.store.set(_key(token, gen, "paused", rank), json.dumps({"step": step, **inv}))
+    _put(watch.store, token, {"step": step, **inv}, gen, "paused", rank)
     res = _wait_store_resume(watch.store, token, gen, timeout, stop)
     rebuild(res, rank, world_size)
     return gen, req, None, watch

@@ -1,29 +1,51 @@
 """Worker -> launcher reports through torch.distributed's TCPStore.
 
 Both sides connect as clients to the store torchrun's agent already hosts
-(MASTER_ADDR/MASTER_PORT of the workers), so there is no server of ours. Every
-key lives under ``jitckpt/<token>/``: the token is random per job and given
-only to the job's processes, so a stranger on the network cannot inject reports
-into a namespace the launcher reads.
+(MASTER_ADDR/MASTER_PORT of the workers), so there is no server of ours. Key
+names and records are sealed under the job token (``jitckpt.auth``): a stranger
+who reaches the store can neither read the token nor inject a report the
+launcher accepts; a report that does not verify is skipped with one line.
 
-Protocol: a writer takes a sequence number with ``add(<ns>/n, 1)`` and then sets
-``<ns>/r/<seq>`` to a JSON object. The reader remembers how far it has read and
-polls ``add(<ns>/n, 0)``; a slot whose value is not set yet is retried on the
-next poll (the writer is between its two calls) and skipped after
+Protocol: a writer takes a sequence number with ``add(n, 1)`` and then sets
+slot ``r/<seq>`` to a sealed JSON object. The reader remembers how far it has
+read and polls ``add(n, 0)``; a slot whose value is not set yet is retried on
+the next poll (the writer is between its two calls) and skipped after
 ``SLOT_GRACE_S`` (the writer died between them: a report is lost, not the
 reports of every other rank behind it).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 from typing import Any
 
+from . import auth
 
-def namespace(token: str) -> str:
-    return f"jitckpt/{token}"
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+# the fields the agent needs of some events
+_NEEDS = {"registered": ("shard",), "resumed": ("step",), "checkpoint_saved": ("step", "shard"),
+          "migrating": ("gen", "ctl")}
+
+
+def _needs(m: dict) -> str | None:
+    if "self" in m:  # the events log's emit() takes the fields as keyword arguments
+        return "a field named 'self'"
+    missing = [k for k in _NEEDS.get(m["event"], ()) if k not in m]
+    return f"{m['event']} without {missing}" if missing else None
+
+
+# what the agent reads from a report, typed; a report carries more fields for the events log
+REPORT = auth.Schema(
+    {"event": str, "t": _NUM, "rank": (int, type(None))},
+    {"step": int, "shard": str, "attempt": int, "gen": int, "ctl": str, "reason": str,
+     "loaded": (int, str, type(None)), "query_t": _OPT_NUM, "proc_start_t": _OPT_NUM, "minibatch_s": _OPT_NUM},
+    extra=True, nested=_needs)
+
+
+class StoreTampered(RuntimeError):
+    """A counter of the job's store holds what no agent or worker of the job wrote."""
 
 
 def connect(host: str, port: int, timeout_s: float = 30.0):  # -> dist.TCPStore
@@ -39,13 +61,13 @@ class Reporter:
 
     def __init__(self, store, token: str, rank: int | None) -> None:
         self._store = store
-        self._ns = namespace(token)
+        self._auth = auth.of(token)
         self._rank = rank
 
     def send(self, event: str, **fields: Any) -> None:
         msg = {"event": event, "t": time.time(), "rank": self._rank, **fields}
-        seq = self._store.add(f"{self._ns}/n", 1)
-        self._store.set(f"{self._ns}/r/{seq}", json.dumps(msg))
+        seq = self._store.add(self._auth.key("n"), 1)
+        self._auth.put(self._store, msg, "r", seq)
 
 
 SLOT_GRACE_S = 2.0
@@ -57,20 +79,29 @@ class ReportReader:
 
     def __init__(self, store, token: str, from_now: bool = False) -> None:
         self._store = store
-        self._ns = namespace(token)
+        self._auth = auth.of(token)
+        self._n = self._auth.key("n")
         # an agent that joins a running job (a replacement) skips the reports
         # of rounds it was not part of
-        self._next = self._store.add(f"{self._ns}/n", 0) + 1 if from_now else 1
+        self._next = self._count() + 1 if from_now else 1
         self._waiting_since: float | None = None
+
+    def _count(self) -> int:
+        try:
+            return int(self._store.add(self._n, 0))
+        except (RuntimeError, ValueError):  # torch's DistStoreError is a RuntimeError
+            raise StoreTampered("jitrun: the workers' report counter in the job's store is not a number: "
+                                "something outside the job wrote it (see the README's threat model); "
+                                "stopping") from None
 
     def poll(self, drain: bool = False) -> list[dict]:
         """The reports written since the last poll. ``drain``: the writers
         are all gone (the job ended), so a slot still empty is skipped at once
         instead of after SLOT_GRACE_S."""
         out: list[dict] = []
-        last = self._store.add(f"{self._ns}/n", 0)
+        last = self._count()
         while self._next <= last:
-            key = f"{self._ns}/r/{self._next}"
+            key = self._auth.key("r", self._next)
             if not self._store.check([key]):
                 now = time.monotonic()
                 if self._waiting_since is None:
@@ -78,8 +109,8 @@ class ReportReader:
                 if now - self._waiting_since < SLOT_GRACE_S and not drain:
                     break
             else:
-                msg = json.loads(self._store.get(key))
-                if msg.get("event") != WAKE:
+                msg = self._auth.open(key, self._store.get(key), f"report {self._next}", REPORT)
+                if msg is not None and msg["event"] != WAKE:
                     out.append(msg)
             self._waiting_since = None
             self._next += 1

@@ -163,13 +163,17 @@ class Runtime:
     def _check_same_state(self) -> None:
         """Before the first training step: every rank loaded the same step, or
         the job stops here (exit EXIT_DIVERGED, which jitrun never restarts)."""
-        from .consistency import StateDivergence, check_loaded
+        from .consistency import StateDivergence, StateTampered, check_loaded
 
         try:
             loaded = check_loaded(self.reporter._store, self.cfg.token, self.cfg.attempt, self.cfg.rank,
                                   self.cfg.world_size, self.loaded, timeout_s=max(600.0, self.cfg.timeout_s))
         except StateDivergence as e:
             self.report("state_divergence", loaded={str(k): v for k, v in e.loaded.items()}, error=str(e))
+            print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
+            os._exit(_config.EXIT_DIVERGED)
+        except StateTampered as e:
+            self.report("state_divergence", error=str(e))
             print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
             os._exit(_config.EXIT_DIVERGED)
         # also when nothing was asked: the recovery timeline's "training started"

@@ -27,6 +27,7 @@ import time
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from jitckpt import auth
 from jitckpt.report import ReportReader, connect
 
 from . import migrate, rdzv, warm
@@ -51,6 +52,8 @@ class JitAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._jit = jit
         self._events = events
+        # a record in the store that does not verify under the job token: one line in the timeline
+        auth.on_reject(lambda what, why: events.emit("record_rejected", what=what, why=why))
         spec = self._worker_group.spec
         self._node = this_node(spec.local_addr)
         events.node = self._node.node_id

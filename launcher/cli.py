@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import math
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -227,7 +226,8 @@ def check_args(args) -> str | None:
                _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
            or _check_ec(args)
-           or _check_program(args))
+           or _check_program(args)
+           or _check_token(args))
     if err:
         return err
     env_timeout = os.environ.get("JITCKPT_TIMEOUT")
@@ -239,6 +239,23 @@ def check_args(args) -> str | None:
         if bad:
             return (f"JITCKPT_TIMEOUT={env_timeout!r} in the environment is not a finite number "
                     "of seconds > 0; unset it or pass --jit-timeout SECONDS")
+    return None
+
+
+def _check_token(args) -> str | None:
+    """Sets ``args.job_token``: JITCKPT_TOKEN, or for a one-node job a random one."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    from jitckpt import auth
+
+    try:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        max_nodes = 1  # the nnodes check reports it
+    try:
+        args.job_token = auth.job_token(os.environ.get("JITCKPT_TOKEN"), 1 if args.standalone else max_nodes)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -334,8 +351,7 @@ def run(args) -> int:
             print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
                   f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
     timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
-    user_token = os.environ.get("JITCKPT_TOKEN")
-    token = user_token or secrets.token_hex(16)
+    token = args.job_token  # checked by check_args
     os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
                        "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
     os.environ.pop("JITCKPT_RESTORE_STEP", None)
@@ -423,8 +439,7 @@ def run(args) -> int:
 
     from .launch import launch
 
-    rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, share_token=not user_token,
-                timeout_s=timeout,
+    rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, timeout_s=timeout,
                 save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:

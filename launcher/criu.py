@@ -236,7 +236,10 @@ def dump(pid: int, images_dir: str | os.PathLike, *, leave_running: bool = False
     empty), then the checksum manifest. Without ``leave_running`` the tree is killed."""
     criu = criu or find_criu()
     d = Path(images_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    from jitckpt import layout
+
+    layout.makedirs_private(d)  # the images hold the whole memory of the process
+    os.chmod(d, 0o700)
     if any(d.iterdir()):
         raise CriuError(f"images dir {d} is not empty; dump into a fresh directory")
     cmd = [criu, "dump", "-t", str(pid), "-D", str(d), "-o", DUMP_LOG,
@@ -395,7 +398,9 @@ def _exec_main(argv: list[str]) -> int:
     if sep != "--" or not cmd:
         raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD...")
     output = template.format_map({**os.environ, "PID": os.getpid()})
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    from jitckpt import layout
+
+    layout.makedirs_private(Path(output).parent)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWPID) != 0:
         raise SystemExit(f"unshare(CLONE_NEWPID): {os.strerror(ctypes.get_errno())} (needs root)")
@@ -411,7 +416,10 @@ def _exec_main(argv: list[str]) -> int:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() == 1:  # the wrapper died before the prctl (parent is the namespace-less init)
                 os._exit(137)
-            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            # 0600: a migration target gives the file it receives that mode, and CRIU
+            # checks that the reopened file's mode is the dumped one
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.dup2(fd, 1)

@@ -10,10 +10,14 @@ posted by a deadline: a node that vanished posts nothing), written once with
 and names the restore step, the newest complete for every shard across all
 nodes, with the nodes that hold each shard's replica as transfer sources.
 
-Keys, under ``jitckpt/<token>/`` in the coordination store (``rdzv``):
-``round/<r>/node/<group rank>`` who is in round r; ``round/<r>/inv/<node>``
-and the counter ``round/<r>/ninv``; ``round/<r>/decision``; ``decision``
-(the newest decision, read by agents that join later, e.g. a replacement).
+Records, sealed under the job token (``jitckpt.auth``: key names are MACs of
+these labels) in the coordination store (``rdzv``): ``round/<r>/node/<group
+rank>`` who is in round r; ``round/<r>/inv/<node>``; ``round/<r>/handling/<node>``
+and ``round/<r>/failed``; ``round/<r>/decision``; ``decision`` (the newest
+decision, read by agents that join later, e.g. a replacement). A record that
+does not verify is ignored with one line; a decision in force that does not
+verify stops the job (``DecisionTampered``): no node may restore a state the
+job did not decide.
 
 Pure functions (``compute``) are separate from store I/O so they are unit
 tested without a store. Called from the agent's main thread only.
@@ -27,8 +31,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import layout
-from jitckpt.report import namespace
+from jitckpt import auth, layout
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,83 @@ class Decision:
     @staticmethod
     def from_json(raw: str | bytes) -> Decision:
         d = json.loads(raw)
+        why = DECISION.problem(d)
+        if why is not None:
+            raise ValueError(f"malformed decision: {why}")
         return Decision(**d)
+
+    @staticmethod
+    def from_record(d: object) -> Decision | None:
+        """A verified record as a Decision; None (one reject line) if it is malformed."""
+        why = DECISION.problem(d)
+        if why is not None:
+            auth.reject("restore decision", f"malformed: {why}")
+            return None
+        assert isinstance(d, dict)
+        return Decision(**d)
+
+
+class DecisionTampered(RuntimeError):
+    pass
+
+
+_S = str
+_OPT_INT = (int, type(None))
+NODE = auth.Schema({"node_id": _S, "host": _S, "addr": _S})
+_SOURCE = auth.Schema({"node_id": _S, "host": _S, "addr": _S, "rank": int, "manifest_sha256": _S},
+                      {"saved_at": (int, float)})
+_REPLICA = auth.Schema({"step": int, "shard": _S, "rank": int, "manifest_sha256": _S}, {"saved_at": (int, float)})
+
+
+def _good_shard(sh: object) -> bool:
+    try:
+        layout.shard_dirname(sh)  # type: ignore[arg-type]
+        return isinstance(sh, str)
+    except (ValueError, TypeError):
+        return False
+
+
+def _all(items: object, schema: auth.Schema) -> str | None:
+    if not isinstance(items, list):
+        return "not a list"
+    return next((p for p in map(schema.problem, items) if p is not None), None)
+
+
+def _decision_parts(d: dict) -> str | None:
+    if not all(isinstance(s, str) and _good_shard(s) for s in d["shards"]):
+        return "a shard name is not one"
+    for sh, srcs in d["sources"].items():
+        if not _good_shard(sh) or (p := _all(srcs, _SOURCE)) is not None:
+            return f"sources of shard {sh!r}: {p or 'bad name'}"
+    if not all(isinstance(k, str) and isinstance(v, str) and _good_shard(v) for k, v in d["shard_of_rank"].items()):
+        return "shard_of_rank"
+    return _all(d["nodes"], NODE) or _all(d["lost"], NODE)
+
+
+DECISION = auth.Schema(
+    {"round": int, "step": _OPT_INT, "shards": list, "sources": dict, "shard_of_rank": dict, "nodes": list,
+     "lost": list, "why": _S, "decided_by": _S, "t": (int, float), "complete": bool, "source": _S,
+     "ec_step": _OPT_INT, "ec": (dict, type(None))},
+    nested=_decision_parts)
+
+
+def _inventory_parts(inv: dict) -> str | None:
+    if (p := _all(inv["replicas"], _REPLICA)) is not None:
+        return f"replicas: {p}"
+    if not all(_good_shard(r["shard"]) for r in inv["replicas"]):
+        return "a replica's shard name"
+    if not auth.int_list(inv.get("finished", [])):
+        return "finished"
+    ec = inv.get("ec")
+    if ec is not None and not (isinstance(ec.get("commits"), list) and isinstance(ec.get("chunks"), list)
+                               and all(auth.int_list(c) for c in ec["chunks"])):
+        return "ec"
+    return None
+
+
+INVENTORY = auth.Schema({"node_id": _S, "host": _S, "addr": _S, "replicas": list},
+                        {"finished": list, "ec": dict, "last_alive": (int, float, type(None))},
+                        nested=_inventory_parts)
 
 
 def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = frozenset()) -> dict:
@@ -132,7 +211,11 @@ def choose_source(d: Decision, inventories: list[dict]) -> None:
     if not ecs:
         return  # EC snapshots off: the decision is exactly the replica one (d.ec stays None)
     world = len(d.shard_of_rank) or None
-    ver, rejected = ec_snapshot.choose_version(ecs, world)
+    try:
+        ver, rejected = ec_snapshot.choose_version(ecs, world)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # an inventory's EC part that is not one
+        auth.reject("EC part of an inventory", f"malformed: {type(e).__name__}: {e}")
+        ver, rejected = None, [f"EC inventories unusable ({type(e).__name__})"]
     if ver is not None and (d.step is None or ver["step"] > d.step):
         d.source, d.ec_step = "ec", ver["step"]
         d.ec = {**ver, "rejected": rejected}
@@ -150,35 +233,38 @@ class Coordinator:
 
     def __init__(self, store, token: str, node: NodeInfo) -> None:
         self.store = store
-        self.ns = namespace(token)
+        self.auth = auth.of(token)
         self.node = node
 
     def _k(self, *parts: object) -> str:
-        return "/".join([self.ns, *map(str, parts)])
+        return self.auth.key(*parts)
+
+    def _get(self, what: str, *parts: object, schema: auth.Schema | None = None):
+        return self.auth.get(self.store, what, *parts, schema=schema)
 
     def announce(self, round_: int, group_rank: int) -> None:
         """Say which node holds group rank ``group_rank`` in ``round_``."""
-        self.store.set(self._k("round", round_, "node", group_rank), json.dumps(asdict(self.node)))
+        self.auth.put(self.store, asdict(self.node), "round", round_, "node", group_rank)
 
     def nodes(self, round_: int, group_world_size: int) -> list[dict]:
-        keys = [self._k("round", round_, "node", g) for g in range(group_world_size)]
-        return [json.loads(self.store.get(k)) for k in keys if self.store.check([k])]
+        got = (self._get(f"round {round_} member {g}", "round", round_, "node", g, schema=NODE)
+               for g in range(group_world_size))
+        return [n for n in got if n is not None]
 
     def post(self, round_: int, inv: dict) -> None:
-        self.store.set(self._k("round", round_, "inv", self.node.node_id), json.dumps(inv))
-        self.store.add(self._k("round", round_, "ninv"), 1)
+        self.auth.put(self.store, inv, "round", round_, "inv", self.node.node_id)
 
     def handling(self, round_: int) -> None:
         """This node's agent has seen the failure (it will post an inventory);
         also tells every other agent that round ``round_`` failed."""
-        self.store.set(self._k("round", round_, "handling", self.node.node_id), b"1")
-        self.store.set(self._k("round", round_, "failed"), self.node.node_id)
+        self.auth.put(self.store, self.node.node_id, "round", round_, "handling", self.node.node_id)
+        self.auth.put(self.store, self.node.node_id, "round", round_, "failed")
 
     def failed(self, round_: int) -> bool:
         """Has any agent started handling a failure of ``round_``? (Its workers
         may not have noticed yet: a peer's death surfaces only at their next
-        collective.)"""
-        return bool(self.store.check([self._k("round", round_, "failed")]))
+        collective.) Only a mark sealed by an agent of the job counts."""
+        return isinstance(self._get(f"round {round_} failure mark", "round", round_, "failed"), str)
 
     def wait_inventories(self, round_: int, nodes: list[dict], grace: float, final: float) -> list[dict]:
         """Inventories of ``nodes``: every one that posted by ``grace``
@@ -188,10 +274,16 @@ class Coordinator:
         inv = {n: self._k("round", round_, "inv", n) for n in want}
         if not self._wait(list(inv.values()), grace):
             busy = [k for n, k in inv.items()
-                    if self.store.check([self._k("round", round_, "handling", n)])]
+                    if self._get(f"round {round_} handling mark of {n}", "round", round_, "handling", n) == n]
             if busy:
                 self._wait(busy, final)
-        return [json.loads(self.store.get(k)) for k in inv.values() if self.store.check([k])]
+        out = []
+        for n, k in inv.items():
+            if self.store.check([k]):
+                got = self.auth.open(k, self.store.get(k), f"round {round_} inventory of {n}", INVENTORY)
+                if got is not None and got["node_id"] == n:
+                    out.append(got)
+        return out
 
     def _wait(self, keys: list[str], until: float) -> bool:
         """Block until every key exists (event-driven) or ``until`` passes."""
@@ -201,22 +293,36 @@ class Coordinator:
         except Exception:  # DistStoreError on timeout
             return False
 
+    def _decision(self, key: str, raw: object, what: str) -> Decision:
+        d = self.auth.open(key, raw, what)
+        won = Decision.from_record(d) if d is not None else None
+        if won is None:
+            raise DecisionTampered(
+                f"jitrun: the {what} in the job's store does not verify under the job token: something outside "
+                "the job wrote it (see events.jsonl and the README's threat model). Stopping rather than restore "
+                "a state the job did not decide")
+        return won
+
     def publish(self, d: Decision) -> Decision:
         """Write ``d`` unless another agent already decided this round; return
         the decision in force."""
         key = self._k("round", d.round, "decision")
-        raw = self.store.compare_set(key, "", d.to_json())
-        won = Decision.from_json(raw)
-        self.store.set(self._k("decision"), won.to_json())
+        raw = self.store.compare_set(key, "", self.auth.seal(key, asdict(d)))
+        won = self._decision(key, raw, f"restore decision of round {d.round}")
+        self.auth.put(self.store, asdict(won), "decision")
         return won
 
     def decided(self, round_: int) -> Decision | None:
         key = self._k("round", round_, "decision")
-        return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+        if not self.store.check([key]):
+            return None
+        return self._decision(key, self.store.get(key), f"restore decision of round {round_}")
 
     def latest(self) -> Decision | None:
         key = self._k("decision")
-        return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+        if not self.store.check([key]):
+            return None
+        return self._decision(key, self.store.get(key), "newest restore decision")
 
 
 # -- EC snapshots as a restore source ---------------------------------------------------------

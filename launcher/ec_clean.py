@@ -57,8 +57,8 @@ def _remove(p: Path) -> None:
 def free_node(job_id: str, base: Path | None = None, dry_run: bool = False) -> tuple[Path, int, int]:
     """Remove this job's EC directory in /dev/shm (``base``: instead of /dev/shm). Returns (dir, files, bytes)."""
     d = ec_snapshot.job_root(job_id, base)
-    if not d.exists():
-        return d, 0, 0
+    if not d.exists() or not layout.is_own_private_dir(d):
+        return d, 0, 0  # someone else's directory is not ours to remove
     files, size = _size(d)
     if not dry_run:
         _remove(d)

@@ -28,7 +28,7 @@ from .events import EventLog, summary
 from .options import JitOptions
 
 
-def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str, share_token: bool,
+def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
            timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None,
            health_interval_s: float = 0.0) -> int:
     if not config.run_id:
@@ -44,8 +44,6 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     handler = rdzv_registry.get_rendezvous_handler(params)
-    if share_token:
-        token = _job_token(handler, config, token)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=handler,
@@ -134,22 +132,6 @@ def _waited_out(handler, token: str) -> int:
     print("jitrun: the job " + ("finished" if ok else "ended without success") + " while this node waited to "
           "join its next round (a spare); nothing of it runs here", file=sys.stderr)
     return 0 if ok else 1
-
-
-def _job_token(handler, config: LaunchConfig, token: str) -> str:
-    """One token for every node of the job. A token the user set on every node
-    (JITCKPT_TOKEN) is used as is; otherwise the first agent's random token is
-    shared through the rendezvous store (the first writer wins), which every
-    node of the job can already reach."""
-    if config.max_nodes <= 1:
-        return token
-    store = rdzv.coordination_store(handler)
-    if store is None:
-        return token
-    shared = store.compare_set(f"jitckpt/job-token/{config.run_id}", "", token)
-    shared = shared.decode() if isinstance(shared, bytes) else shared
-    os.environ["JITCKPT_TOKEN"] = shared
-    return shared
 
 
 def entrypoint_name(cmd, cmd_args) -> str:

@@ -83,6 +83,7 @@ def record_workers(agent, worker_group) -> dict:
 
 # -- the request protocol through the job's store (jitrun migrate) -----------------------
 #
+# Records sealed under the job token (jitckpt.auth; a key name is a MAC of its label):
 # <ns>/migrate/gen             add() counter: the newest migration's number g
 # <ns>/migrate/<g>/req         {"ranks": [R, ...], "to": NODE, "t": ...} (set after gen is taken)
 # <ns>/migrate/where/<r>       the address of the node rank r runs on (its agent sets it)
@@ -95,7 +96,22 @@ def record_workers(agent, worker_group) -> dict:
 
 
 def key(token: str, *parts: object) -> str:
-    return "/".join([f"jitckpt/{token}/migrate", *map(str, parts)])
+    from jitckpt.migrate_worker import _key
+
+    return _key(token, *parts)
+
+
+def put(store, token: str, value: object, *parts: object) -> None:
+    from jitckpt.migrate_worker import _put
+
+    _put(store, token, value, *parts)
+
+
+def read_request(store, token: str, gen: int) -> dict | None:
+    """Migration ``gen``'s request, verified; None (one line) when it does not verify."""
+    from jitckpt.migrate_worker import read_request as read
+
+    return read(store, token, gen)
 
 
 def request(store, token: str, rank: int | list[int], to: str) -> int:
@@ -103,13 +119,13 @@ def request(store, token: str, rank: int | list[int], to: str) -> int:
     list) can move to node ``to``; returns the migration's number."""
     ranks = [rank] if isinstance(rank, int) else sorted(rank)
     gen = store.add(key(token, "gen"), 1)
-    store.set(key(token, gen, "req"), json.dumps({"ranks": ranks, "to": to, "t": time.time()}))
+    put(store, token, {"ranks": ranks, "to": to, "t": time.time()}, gen, "req")
     return gen
 
 
 def resume(store, token: str, gen: int, prefix: str, store_addr: tuple[str, int]) -> dict:
     body = {"gen": gen, "prefix": prefix, "store": list(store_addr)}
-    store.set(key(token, gen, "resume"), json.dumps(body))
+    put(store, token, body, gen, "resume")
     return body
 
 
@@ -131,7 +147,7 @@ def publish(store, token: str, root: Path, ranks: dict, store_addr: tuple[str, i
     ``jitrun migrate --node``) and how ``jitrun migrate`` on this node reaches the job
     (``<jit dir>/migrate/control.json``, 0600: it holds the job's token)."""
     for r, w in ranks.items():
-        store.set(key(token, "where", r), w["addr"])
+        put(store, token, w["addr"], "where", r)
     path = root / "migrate" / CONTROL
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -190,10 +206,13 @@ def main(argv: list[str]) -> int:
               "is the job still running?", file=sys.stderr)
         return 2
     token = c["token"]
+    from jitckpt import auth
+
+    a = auth.of(token)
     if args.node:
         ranks, r = [], 0
         while store.check([key(token, "where", r)]):  # ranks are 0..world-1
-            if store.get(key(token, "where", r)).decode() == args.node:
+            if a.get(store, f"where rank {r} runs", "migrate", "where", r) == args.node:
                 ranks.append(r)
             r += 1
         if not ranks:
@@ -204,15 +223,15 @@ def main(argv: list[str]) -> int:
     gen = request(store, token, ranks, args.to)
     print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for every rank to pause at a "
           "minibatch start", flush=True)
-    ok, failed = key(token, gen, "resume"), key(token, gen, "failed")
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            if store.check([failed]):
-                print(f"jitrun migrate: migration {gen} FAILED: {store.get(failed).decode(errors='replace')}; the "
+            why = a.get(store, f"failure of migration {gen}", "migrate", gen, "failed")
+            if isinstance(why, str):
+                print(f"jitrun migrate: migration {gen} FAILED: {why}; the "
                       "job takes a JIT checkpoint and restarts", file=sys.stderr)
                 return 1
-            if store.check([ok]):
+            if a.get(store, f"resume of migration {gen}", "migrate", gen, "resume") is not None:
                 print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {args.to}")
                 return 0
         except dist.DistError as e:  # the store's host ended: the job finished or restarted meanwhile

@@ -39,8 +39,10 @@ between threads but the events log (thread-safe).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,9 +54,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt import auth, layout, migrate_worker
 
-from . import criu, migrate, transfer
+from . import criu, migrate, peer_files, transfer
 from .events import EventLog
 from .migration import device_loss
 
@@ -74,7 +76,28 @@ class MigrationError(RuntimeError):
 
 
 def _k(token: str, *parts: object) -> str:
-    return "/".join([f"jitckpt/{token}/mig", *map(str, parts)])
+    return auth.of(token).key("mig", *parts)
+
+
+def _put(store, token: str, value: object, *parts: object) -> None:
+    auth.of(token).put(store, value, "mig", *parts)
+
+
+def _get(store, token: str, what: str, *parts: object, schema: auth.Schema | None = None):
+    return auth.of(token).get(store, what, "mig", *parts, schema=schema)
+
+
+STOP = {"stop": True}
+PORT = auth.Schema({"port": int})
+ANSWER = auth.Schema({"ok": bool}, {"why": str, "pid": int, "restore_s": (int, float), "recv_s": (int, float),
+                                    "node": str})
+OUTPUT = "output"  # the name the worker's output file travels under
+_TID = re.compile(r"^[0-9a-f]{32}$")
+_IMAGE = re.compile(r"^img/[A-Za-z0-9_.-]+$")
+REQUEST = auth.Schema(
+    {"id": str, "rank": int, "files": list, "manifest_sha256": str, "output": (str, type(None))},
+    {"gen": int, "resume": dict, "ctl": str, "device": dict})
+DEVICE = auth.Schema({"dir": str, "epoch": int, "uuid": str})
 
 
 # -- source -------------------------------------------------------------------------------
@@ -146,18 +169,24 @@ def ship(coord_store, token: str, images: Path, output: str | None, to: str, bod
     device) and wait for its answer. Raises MigrationError when no target listens."""
     tid = uuid.uuid4().hex
     files = [(f"img/{p.name}", p) for p in sorted(images.iterdir()) if p.is_file()]
-    if output and Path(output).is_file():
-        files.append((f"abs{output}", Path(output)))
-    port_key = _k(token, "to", to, "port")
-    if not coord_store.check([port_key]):
+    if not (output and Path(output).is_file()):
+        output = None
+    if output:
+        files.append((OUTPUT, Path(output)))
+    # the target is an agent of this job: it sealed its port under the job token
+    got = _get(coord_store, token, f"listening port of node {to}", "to", to, "port", schema=PORT)
+    if got is None:
         raise MigrationError("transfer", f"no jitrun agent of this job with --jit-migratable on listens on node {to}")
-    port = int(coord_store.get(port_key))
     seq = coord_store.add(_k(token, "to", to, "n"), 1)
-    modes = {rel: path.stat().st_mode & 0o7777 for rel, path in files if rel.startswith("abs/")}
-    coord_store.set(_k(token, "to", to, seq), json.dumps({"id": tid, "modes": modes, **body}))
-    sent = transfer.send_stream(to, port, token, tid, files, timeout_s=restore_timeout_s())
+    _put(coord_store, token, {"id": tid, "files": [[rel, p.stat().st_size] for rel, p in files], "output": output,
+                              "manifest_sha256": criu_manifest_sha(images), **body}, "to", to, seq)
+    sent = transfer.send_stream(to, got["port"], token, tid, files, timeout_s=restore_timeout_s())
     t_sent = time.monotonic()
-    return Shipped(tid, sent, t_sent, _wait_key(coord_store, _k(token, tid, "restored"), restore_timeout_s()))
+    return Shipped(tid, sent, t_sent, _wait_answer(coord_store, token, tid, restore_timeout_s()))
+
+
+def criu_manifest_sha(images: Path) -> str:
+    return hashlib.sha256((images / criu.MANIFEST).read_bytes()).hexdigest()
 
 
 def release_peers(worker_store, token: str, gen: int, n_moving: int, n_mine: int, resume: dict) -> bool:
@@ -178,7 +207,7 @@ def fail(worker_store, token: str, gen: int, rank: int, ctl: Path, why: str) -> 
     """Peers (store key) and the rank itself, if its process still runs (resume file)
     take the JIT save at their minibatch start."""
     try:
-        worker_store.set(migrate.key(token, gen, "failed"), why)
+        migrate.put(worker_store, token, why, gen, "failed")
     except Exception:
         pass
     d = ctl / f"rank{rank}"
@@ -205,12 +234,14 @@ def _wait_paused(path: Path, pid: int) -> dict:
         time.sleep(0.01)
 
 
-def _wait_key(store, key: str, timeout_s: float) -> dict | None:
+def _wait_answer(store, token: str, tid: str, timeout_s: float) -> dict | None:
+    key = _k(token, tid, "restored")
     try:
         store.wait([key], timedelta(seconds=timeout_s))
     except Exception:
         return None
-    return json.loads(store.get(key))
+    got = auth.of(token).open(key, store.get(key), f"answer of migration target for {tid}", ANSWER)
+    return got if got is not None else {"ok": False, "why": "its answer does not verify under the job token"}
 
 
 # -- remote workers, seen from the source ----------------------------------------------------
@@ -230,8 +261,9 @@ class Remote:
     def poll(self) -> int | None:
         if self._code is None:
             try:
-                if self._store.check([_k(self._token, self.tid, "exit")]):
-                    self._code = int(self._store.get(_k(self._token, self.tid, "exit")))
+                code = _get(self._store, self._token, f"exit code of migrated worker {self.tid}", self.tid, "exit")
+                if auth.is_a(code, int):
+                    self._code = code
             except Exception:
                 self._code = -int(signal.SIGKILL)  # the job's store is gone: nothing runs there any more
         return self._code
@@ -244,8 +276,10 @@ class Remote:
 
     def send(self, sig: int) -> None:
         try:
-            self._store.set(_k(self._token, self.tid, "signal"), str(int(sig)))
-            self._store.add(_k(self._token, self.tid, "signals"), 1)
+            # one record per signal, numbered by the counter: a forged bump of the
+            # counter finds no record to deliver, an old signal is never sent again
+            n = self._store.add(_k(self._token, self.tid, "signals"), 1)
+            _put(self._store, self._token, int(sig), self.tid, "signal", n)
         except Exception:
             pass
 
@@ -260,7 +294,7 @@ class Target:
         self._store = transfer.own_connection(store, 30.0)
         # images come straight from the source agent, on this node's job address
         self._listener = transfer.listen(node)
-        self._store.set(_k(token, "to", node, "port"), str(self._listener.getsockname()[1]))
+        _put(self._store, token, {"port": self._listener.getsockname()[1]}, "to", node, "port")
         self._conn_of = store
         self._token = token
         self._node = node
@@ -283,7 +317,7 @@ class Target:
                 h.send_signal(signal.SIGTERM)
         try:
             seq = self._conn_of.add(_k(self._token, "to", self._node, "n"), 1)
-            self._conn_of.set(_k(self._token, "to", self._node, seq), json.dumps({"stop": True}))
+            _put(self._conn_of, self._token, STOP, "to", self._node, seq)
         except Exception:
             pass
         self._thread.join(5.0)
@@ -294,15 +328,21 @@ class Target:
             key = _k(self._token, "to", self._node, self._seq)
             try:
                 self._store.wait([key], timedelta(seconds=3600))
-                req = json.loads(self._store.get(key))
+                raw = self._store.get(key)
             except Exception:
                 if self._stopping:
                     return
                 time.sleep(1.0)
                 continue
             self._seq += 1
-            if req.get("stop"):
+            req = auth.of(self._token).open(key, raw, f"migration request {self._seq - 1} to this node")
+            if req == STOP:
                 return
+            if req is None or auth.reject_if("migration request", REQUEST.problem(req)):
+                continue
+            if not _TID.match(req["id"]):
+                auth.reject("migration request", f"malformed: id {req['id']!r:.40}")
+                continue
             try:
                 self._restore(req)
             except Exception as e:  # tell the source instead of leaving it waiting
@@ -312,33 +352,67 @@ class Target:
 
     def _answer(self, tid: str, body: dict) -> None:
         try:
-            self._store.set(_k(self._token, tid, "restored"), json.dumps(body))
+            _put(self._store, self._token, body, tid, "restored")
         except Exception:
             pass
 
+    def _checked(self, req: dict) -> tuple[list[tuple[str, int]], Path | None]:
+        """The request's file list and the output file's path here, or RefusedFile: only
+        images (``img/<name>``) and the worker's output file, which lands at the one path
+        it can have on this node (``<jit dir>/migrate/out/rank<R>.a<N>.log``, the same
+        path as on the source: CRIU reopens it there); the control paths must be this
+        node's own."""
+        rank = req["rank"]
+        files = peer_files.file_list(req["files"], where=self._root)
+        names = [rel for rel, _ in files]
+        if any(not (_IMAGE.match(rel) or rel == OUTPUT) for rel in names) or f"img/{criu.MANIFEST}" not in names:
+            raise peer_files.RefusedFile(f"files {names[:8]}: only img/<name> (with img/{criu.MANIFEST}) and "
+                                         f"{OUTPUT!r} are taken")
+        out: Path | None = None
+        if (OUTPUT in names) != (req["output"] is not None):
+            raise peer_files.RefusedFile("the output file and its path come together or not at all")
+        if req["output"] is not None:
+            mine = self._root / "migrate" / "out"
+            m = re.fullmatch(re.escape(str(mine)) + rf"/rank{rank}\.a\d+\.log", req["output"])
+            if m is None:
+                raise peer_files.RefusedFile(f"output path {req['output']!r:.200} is not rank {rank}'s output file "
+                                             f"under this node's {mine} (the jit dir must be the same path on "
+                                             "every node that takes migrated workers)")
+            out = Path(req["output"])
+        if "device" in req:
+            if DEVICE.problem(req["device"]) is not None or \
+                    req["device"]["dir"] != str(device_loss.control_dir(self._root)):
+                raise peer_files.RefusedFile("the device request is not for this node's control directory")
+        elif req.get("ctl") != str(self._root / "migrate" / "ctl") or \
+                migrate_worker.RESUME_RECORD.problem(req.get("resume")) is not None:
+            raise peer_files.RefusedFile("the control directory or resume record is not this job's on this node")
+        return files, out
+
     def _restore(self, req: dict) -> None:
         tid, gen, rank = req["id"], int(req.get("gen", 0)), int(req["rank"])
+        files, output = self._checked(req)
         base = self._root / "migrate" / "in" / tid
         stage = base / "recv"
         shutil.rmtree(base, ignore_errors=True)
+        layout.makedirs_private(stage)
         t0 = time.monotonic()
         helper = subprocess.Popen(criu.restore_and_wait_command(), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                   start_new_session=True)
         try:
-            got = transfer.recv_stream(self._listener, self._token, tid, lambda rel: stage / rel.lstrip("/"),
-                                       restore_timeout_s())
+            transfer.recv_stream(self._listener, self._token, tid, files, stage, restore_timeout_s())
             t_recv = time.monotonic()
-            # files the worker holds open on its old node's private disk, at the same paths here
-            for rel, _size in got:
-                if rel.startswith("abs/"):
-                    dest = Path(rel[3:])
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    os.chmod(stage / rel, int(req.get("modes", {}).get(rel, 0o644)))  # CRIU checks the mode
-                    os.replace(stage / rel, dest)
             images = stage / "img"
+            if hashlib.sha256((images / criu.MANIFEST).read_bytes()).hexdigest() != req["manifest_sha256"]:
+                raise peer_files.RefusedFile("the images' manifest is not the one the request names")
+            if output is not None:
+                # the file the worker holds open, at the same path here; our mode (CRIU
+                # checks it: the source creates it with the same one)
+                layout.makedirs_private(output.parent)
+                os.chmod(stage / OUTPUT, layout.FILE_MODE)
+                os.replace(stage / OUTPUT, output)
             if "device" not in req:
-                ctl = Path(req["ctl"]) / f"rank{rank}"
-                ctl.mkdir(parents=True, exist_ok=True)
+                ctl = self._root / "migrate" / "ctl" / f"rank{rank}"
+                layout.makedirs_private(ctl)
         except BaseException:
             helper.communicate(b"\n", timeout=30)  # told nothing: it exits without restoring
             shutil.rmtree(base, ignore_errors=True)
@@ -361,9 +435,9 @@ class Target:
         if "device" in req:
             # a parked process whose device died (device_loss.py): it attaches this one
             dev = req["device"]
-            Path(dev["dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
-            device_loss.answer(dev["dir"], device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()),
-                               str(dev["uuid"]))
+            here = device_loss.control_dir(self._root)
+            layout.makedirs_private(here)
+            device_loss.answer(here, device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()), str(dev["uuid"]))
         else:
             env = {"JITCKPT_NODE": self._node}
             for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
@@ -393,15 +467,28 @@ class Target:
         """Exit code out, stop signals in, until the restored worker ends."""
         store = transfer.own_connection(self._conn_of, 30.0)
         seen = 0
+        gap = 0.0
         while True:
             code = helper.poll()
             if code is not None:
                 break
             try:
                 n = int(store.add(_k(self._token, tid, "signals"), 0))
-                if n > seen:
-                    seen = n
-                    sig = int(store.get(_k(self._token, tid, "signal")))
+                while seen < n:
+                    key = _k(self._token, tid, "signal", seen + 1)
+                    if not store.check([key]):
+                        # its sender is between add and set: next look; never set (a forged
+                        # count) after a while: skipped
+                        gap = gap or time.monotonic()
+                        if time.monotonic() - gap < 2.0:
+                            break
+                    gap = 0.0
+                    seen += 1
+                    if not store.check([key]):
+                        continue
+                    sig = auth.of(self._token).open(key, store.get(key), f"signal {seen} to migrated rank {rank}")
+                    if sig not in _SIGNALS:
+                        continue
                     # the helper forwards catchable signals; SIGKILL would end only the helper
                     if sig == signal.SIGKILL:
                         os.kill(pid, sig)
@@ -418,6 +505,10 @@ class Target:
         self._events.emit("worker_exit", rank=rank, exitcode=code, migrated=True, node=self._node)
         self._record_rank(rank, None)
         try:
-            store.set(_k(self._token, tid, "exit"), str(code))
+            _put(store, self._token, code, tid, "exit")
         except Exception:
             pass
+
+
+_SIGNALS = {int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                             signal.SIGUSR2, signal.SIGCONT, signal.SIGKILL)}

@@ -77,30 +77,34 @@ def coordination_store(handler):
     return None
 
 
-def _ok_key(token: str) -> str:
-    return f"jitckpt/{token}/job-succeeded"
-
-
 def mark_succeeded(handler, token: str) -> None:
     """An agent whose workers finished the job says so before closing the rendezvous."""
+    from jitckpt import auth
+
     store = coordination_store(handler)
     if store is not None:
         try:
-            store.set(_ok_key(token), "1")
+            auth.of(token).put(store, True, "job-succeeded")
         except Exception:
             pass  # the endpoint went first: waiting agents then report no success
 
 
 def job_succeeded(handler, token: str) -> bool:
+    """Did an agent of the job (a sealed record, not anyone's key) say it finished?"""
+    from jitckpt import auth
+
     store = coordination_store(handler)
     try:
-        return store is not None and store.check([_ok_key(token)])
+        return store is not None and auth.of(token).get(store, "job success mark", "job-succeeded") is True
     except Exception:
         return False
 
 
 def _read_key(token: str) -> str:
-    return f"jitckpt/{token}/job-outcome-read"
+    # a count, not a record: a forged bump only lets the host leave early (a spare then says so)
+    from jitckpt import auth
+
+    return auth.of(token).key("job-outcome-read")
 
 
 def waiting_nodes(handler) -> int:

@@ -5,10 +5,14 @@ replica of a shard this node lacks, the agent fetches it from a node that has
 it before its workers start, so ``get_checkpoint_path()`` finds it locally.
 
 Transport: the coordination store (the rendezvous endpoint's TCPStore, see
-``rdzv``), under the job's secret token namespace: no new listening port, and
-only holders of the token can name the keys. Files move in chunks with a
-bounded window (the store holds at most ``WINDOW`` chunks of one transfer at
-a time; the reader deletes each chunk once written to disk).
+``rdzv``): no new listening port. Requests and announcements are sealed under
+the job token (``jitckpt.auth``); the bytes are checked instead: the manifest
+against the checksum in the (sealed) restore decision, the announced file list
+against that manifest, every file against its checksum. Names are checked
+(``peer_files``) before anything is written, sizes are capped by the manifest
+and the free space, and a transfer has one overall deadline. Files move in
+chunks with a bounded window (the store holds at most ``WINDOW`` chunks of one
+transfer at a time; the reader deletes each chunk once written to disk).
 
 * ``ReplicaServer``: a daemon thread per agent with its own store connection
   (a blocking ``wait`` on a shared client would stall the rendezvous
@@ -28,9 +32,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import hmac
 import json
 import os
+import selectors
 import shutil
 import socket
 import threading
@@ -40,8 +44,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import layout
-from jitckpt.report import namespace
+from jitckpt import auth, layout
+
+from . import peer_files
 
 CHUNK = 4 << 20
 WINDOW = 4
@@ -55,7 +60,20 @@ class TransferError(RuntimeError):
 
 
 def _k(token: str, *parts: object) -> str:
-    return "/".join([namespace(token), "xfer", *map(str, parts)])
+    return auth.of(token).key("xfer", *parts)
+
+
+def _put(store, token: str, value: object, *parts: object) -> None:
+    auth.of(token).put(store, value, "xfer", *parts)
+
+
+STOP = {"stop": True}
+REQUEST = auth.Schema({"id": str, "step": int, "shard": str, "rank": int})
+META = auth.Schema({"ok": bool}, {"files": list, "why": str})
+MAX_MANIFEST = 16 << 20
+# a transfer's deadline: its timeout plus this long per byte announced (a sender
+# that trickles is cut off; a large replica on a slow link is not)
+MIN_RATE = 1 << 20  # bytes/s
 
 
 def own_connection(store, timeout_s: float = 60.0):
@@ -99,7 +117,7 @@ class ReplicaServer:
             return True
         try:
             seq = store.add(_k(self._token, "req", self._node, "n"), 1)
-            store.set(_k(self._token, "req", self._node, seq), json.dumps({"stop": True}))
+            _put(store, self._token, STOP, "req", self._node, seq)
         except Exception:
             pass  # the store is gone: the thread's wait fails on its own
         self._thread.join(timeout_s)
@@ -110,14 +128,17 @@ class ReplicaServer:
             key = _k(self._token, "req", self._node, self._seq)
             try:
                 self._store.wait([key], timedelta(seconds=3600))
-                req = json.loads(self._store.get(key))
+                raw = self._store.get(key)
             except Exception:  # timeout, or the store went away with the job
                 if self._stopping or not self._alive():
                     return
                 continue
             self._seq += 1
-            if req.get("stop"):
+            req = auth.of(self._token).open(key, raw, f"replica request {self._seq - 1} to this node")
+            if req == STOP:
                 return
+            if req is None or auth.reject_if("replica request", REQUEST.problem(req)):
+                continue
             try:
                 self._serve(req)
             except Exception as e:  # tell the fetcher instead of leaving it waiting
@@ -150,8 +171,8 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
     """Announce ``files`` (name, path) under transfer ``tid`` and send them in chunks,
     at most WINDOW unacknowledged; returns the bytes sent. ``corrupt``: test hook, the
     first chunk of the first file it selects goes out with a flipped byte."""
-    sizes = [(rel, path.stat().st_size) for rel, path in files]
-    store.set(_k(token, "data", tid, "meta"), json.dumps({"ok": True, "files": sizes}))
+    sizes = [[rel, path.stat().st_size] for rel, path in files]
+    _put(store, token, {"ok": True, "files": sizes}, "data", tid, "meta")
     n = sent = 0
     for rel, path in files:
         with open(path, "rb") as fh:
@@ -160,11 +181,7 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
                 if not data:
                     break
                 if n >= WINDOW:
-                    try:
-                        store.wait([_k(token, "data", tid, "ack", n - WINDOW)], timedelta(seconds=ack_timeout_s))
-                    except Exception:
-                        raise TransferError(f"the receiver took nothing more within {ack_timeout_s:.0f}s "
-                                            f"({sent} bytes sent)") from None
+                    _wait_ack(store, token, tid, n - WINDOW, ack_timeout_s, sent)
                 if corrupt is not None and corrupt(rel):
                     corrupt = None
                     data = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -174,52 +191,77 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *,
     return sent
 
 
+def _wait_ack(store, token: str, tid: str, n: int, timeout_s: float, sent: int) -> None:
+    """Chunk ``n`` was taken; TransferError when the receiver gave up on the transfer
+    (``abort``, e.g. a manifest that did not match: it then acknowledges what the
+    sender may wait for) or took nothing for ``timeout_s``."""
+    try:
+        store.wait([_k(token, "data", tid, "ack", n)], timedelta(seconds=timeout_s))
+    except Exception:
+        raise TransferError(f"the receiver took nothing more within {timeout_s:.0f}s ({sent} bytes sent)") from None
+    if store.check([_k(token, "data", tid, "abort")]):
+        raise TransferError(f"the receiver gave up on the transfer ({sent} bytes sent)")
+
+
 def send_failed(store, token: str, tid: str, why: str) -> None:
     """Tell the receiver of ``tid`` that nothing will come, and why."""
-    store.set(_k(token, "data", tid, "meta"), json.dumps({"ok": False, "why": why}))
+    _put(store, token, {"ok": False, "why": why}, "data", tid, "meta")
 
 
 def wait_meta(store, token: str, tid: str, timeout_s: float) -> dict:
-    """The sender's announcement of ``tid``; TransferError if it refused or never came."""
+    """The sender's announcement of ``tid``; TransferError if it refused, never came,
+    or does not verify."""
+    key = _k(token, "data", tid, "meta")
     try:
-        store.wait([_k(token, "data", tid, "meta")], timedelta(seconds=timeout_s))
+        store.wait([key], timedelta(seconds=timeout_s))
     except Exception:
         raise TransferError(f"did not answer within {timeout_s:.0f}s") from None
-    meta = json.loads(store.get(_k(token, "data", tid, "meta")))
-    if not meta.get("ok"):
+    meta = auth.of(token).open(key, store.get(key), f"announcement of transfer {tid}", META)
+    if meta is None:
+        raise TransferError("its announcement does not verify under the job token")
+    if not meta["ok"]:
         raise TransferError(f"refused: {meta.get('why')}")
     return meta
 
 
-def recv_files(store, token: str, tid: str, meta: dict, place: Callable[[str], Path], timeout_s: float) -> None:
-    """Receive what :func:`send_files` announced in ``meta`` into ``place(name)`` (a new
-    file each, 0600, fsynced), acknowledging and deleting every chunk."""
-    wait = timedelta(seconds=timeout_s)
-    n = 0
+class _Chunks:
+    """Chunk after chunk of transfer ``tid`` from the store, acknowledged and deleted,
+    each within what is left of ``deadline`` (monotonic)."""
 
-    def read(rel: str, left: int) -> bytes:
-        nonlocal n
-        key = _k(token, "data", tid, "c", n)
+    def __init__(self, store, token: str, tid: str, deadline: float) -> None:
+        self.store, self.token, self.tid, self.deadline = store, token, tid, deadline
+        self.n = 0
+
+    def read(self, rel: str, left: int) -> bytes:
+        key = _k(self.token, "data", self.tid, "c", self.n)
+        wait = self.deadline - time.monotonic()
         try:
-            store.wait([key], wait)
+            if wait <= 0:
+                raise TimeoutError
+            self.store.wait([key], timedelta(seconds=wait))
         except Exception:
-            raise TransferError(f"chunk {n} of {rel} did not come within {timeout_s:.0f}s") from None
-        data = store.get(key)
-        store.delete_key(key)
-        store.set(_k(token, "data", tid, "ack", n), b"")
-        n += 1
+            raise TransferError(f"chunk {self.n} of {rel} did not come before the transfer's deadline") from None
+        data = self.store.get(key)
+        self.store.delete_key(key)
+        self.store.set(_k(self.token, "data", self.tid, "ack", self.n), b"")
+        self.n += 1
+        if len(data) > left:
+            raise TransferError(f"chunk {self.n - 1} of {rel}: {len(data)} bytes, {left} announced")
         return data
 
-    _write_files(meta["files"], place, read)
+
+def recv_files(store, token: str, tid: str, files: list[tuple[str, int]], base: Path, deadline: float) -> None:
+    """Receive what :func:`send_files` announced (``files``, checked names and sizes)
+    into new files under ``base`` (0600, fsynced), acknowledging and deleting every
+    chunk, all before ``deadline`` (monotonic)."""
+    _write_files(files, base, _Chunks(store, token, tid, deadline).read)
 
 
-def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str, int], bytes]) -> None:
-    """Each (name, size) of ``files`` into a new file ``place(name)`` (0600, fsynced),
+def _write_files(files: list[tuple[str, int]], base: Path, read: Callable[[str, int], bytes]) -> None:
+    """Each (name, size) of ``files`` into a new file ``base/name`` (0600, fsynced),
     its bytes from ``read(name, bytes left)``."""
     for rel, size in files:
-        dest = place(rel)
-        layout.makedirs_private(dest.parent)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
+        fd = peer_files.open_new(base, rel)
         with os.fdopen(fd, "wb") as out:
             left = size
             while left > 0:
@@ -230,27 +272,48 @@ def _write_files(files: list, place: Callable[[str], Path], read: Callable[[str,
             os.fsync(out.fileno())
 
 
+def _manifest_files(tmp: Path, want_sha: str) -> list[tuple[str, int]]:
+    """The (name, size) list the manifest received into ``tmp`` promises, after its
+    checksum matched the one the decision carries."""
+    data = (tmp / layout.MANIFEST).read_bytes()
+    if hashlib.sha256(data).hexdigest() != want_sha:
+        raise TransferError("its manifest does not match the checksum in the restore decision")
+    try:
+        files = json.loads(data)["files"]
+        return [(layout.MANIFEST, len(data))] + sorted((rel, int(m["size"])) for rel, m in files.items())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TransferError(f"its manifest is malformed ({e!r})") from None
+
+
 def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
           timeout_s: float = 120.0) -> Path:
     """Copy ``source``'s replica of (step, shard) into ``root``; return its path."""
     tid = uuid.uuid4().hex
     seq = store.add(_k(token, "req", source["node_id"], "n"), 1)
-    store.set(_k(token, "req", source["node_id"], seq),
-              json.dumps({"id": tid, "step": step, "shard": shard, "rank": source["rank"]}))
+    _put(store, token, {"id": tid, "step": step, "shard": shard, "rank": int(source["rank"])},
+         "req", source["node_id"], seq)
     final = layout.replica_dir(root, step, shard, int(source["rank"]))
     layout.makedirs_private(final.parent)
     tmp = final.parent / f".tmp-rank-{source['rank']}-fetch-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp, layout.DIR_MODE)
+    t0 = time.monotonic()
+    chunks: _Chunks | None = None
+    ok = False
     try:
         try:
             meta = wait_meta(store, token, tid, timeout_s)
-        except TransferError as e:
+            files = peer_files.file_list(meta.get("files"), where=tmp)
+        except (TransferError, peer_files.RefusedFile) as e:
             raise TransferError(f"node {source['node_id']} {e}") from None
-        recv_files(store, token, tid, meta, lambda rel: tmp / rel, timeout_s)
-        got = hashlib.sha256((tmp / layout.MANIFEST).read_bytes()).hexdigest()
-        if got != source["manifest_sha256"]:
-            raise TransferError(f"manifest from node {source['node_id']} does not match the one it announced")
+        if not files or files[0][0] != layout.MANIFEST or files[0][1] > MAX_MANIFEST:
+            raise TransferError(f"node {source['node_id']} announced no manifest first (or one over "
+                                f"{MAX_MANIFEST} bytes)")
+        chunks = _Chunks(store, token, tid, t0 + timeout_s + sum(size for _, size in files) / MIN_RATE)
+        _write_files(files[:1], tmp, chunks.read)
+        if files != _manifest_files(tmp, source["manifest_sha256"]):
+            raise TransferError(f"node {source['node_id']} announced files that are not its manifest's")
+        _write_files(files[1:], tmp, chunks.read)
         checked = layout.verify(tmp, None)
         if not isinstance(checked, layout.Replica) or checked.step != step or checked.shard != shard:
             raise TransferError(f"replica from node {source['node_id']} failed verification: {checked}")
@@ -258,10 +321,19 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
             shutil.rmtree(final)
         os.rename(tmp, final)
         layout.fsync_dir(final.parent)
+        ok = True
         return final
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except peer_files.RefusedFile as e:
+        raise TransferError(f"node {source['node_id']}: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became ``final``
+        if not ok and chunks is not None:
+            try:  # a sender waiting for acknowledgements stops now, not after its timeout
+                store.set(_k(token, "data", tid, "abort"), b"")
+                for n in range(chunks.n, chunks.n + WINDOW + 1):
+                    store.set(_k(token, "data", tid, "ack", n), b"")
+            except Exception:
+                pass
 
 
 def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard: str, sources: list[dict],
@@ -289,9 +361,13 @@ def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard
 #
 # Through the store every byte would pass the rendezvous host's process twice. The
 # receiver listens on its node's job address (--local-addr) and announces the port in
-# the store; the sender connects and sends one JSON header line, {"token", "tid",
-# "files": [[name, size], ...]}, then the files' bytes back to back. A connection whose
-# token or transfer id is not the awaited one is closed and the wait goes on.
+# the store; the sender connects and sends one JSON header line, {"tid", "files":
+# [[name, size], ...], "mac"} (the MAC under the job token, never the token), then the
+# files' bytes back to back. The receiver knows the file list already (from the sealed
+# request); a connection whose header does not verify, names another transfer or
+# another list is closed and the wait goes on. Headers are read from every connection
+# at once, so an idle one cannot hold the listener, and the whole transfer has one
+# deadline, so a sender that trickles is cut off at it.
 
 STREAM_BUF = 8 << 20
 # Both ends run as threads of an agent (on one node, the same agent): Python's
@@ -305,8 +381,9 @@ STREAM_BUF = 8 << 20
 
 def _kernel_timeouts(conn: socket.socket, timeout_s: float) -> None:
     conn.settimeout(None)
-    sec = max(int(timeout_s), 1)
-    tv = sec.to_bytes(8, "little", signed=True) + (0).to_bytes(8, "little", signed=True)  # struct timeval
+    usec = max(int(timeout_s * 1e6), 1000)
+    sec, usec = divmod(usec, 1_000_000)
+    tv = sec.to_bytes(8, "little", signed=True) + usec.to_bytes(8, "little", signed=True)  # struct timeval
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
 
@@ -318,11 +395,16 @@ def listen(addr: str) -> socket.socket:
     return srv
 
 
+def _header(token: str, tid: str, files: list) -> dict:
+    body = {"tid": tid, "files": [[rel, size] for rel, size in files]}
+    return {**body, "mac": auth.of(token).mac(f"stream/{tid}", body)}
+
+
 def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[str, Path]],
                 timeout_s: float) -> int:
     """Send ``files`` (name, path) to a receiver's :func:`recv_stream`; returns bytes sent."""
     sizes = [(rel, path.stat().st_size) for rel, path in files]
-    header = json.dumps({"token": token, "tid": tid, "files": sizes}).encode() + b"\n"
+    header = json.dumps(_header(token, tid, sizes)).encode() + b"\n"
     try:
         with socket.create_connection((addr, port), timeout=timeout_s) as conn:
             _kernel_timeouts(conn, timeout_s)
@@ -344,64 +426,105 @@ def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[st
         raise TransferError(f"streaming to {addr}:{port} failed: {e}") from None
 
 
-def _read_header(conn: socket.socket, limit: int = 1 << 16) -> tuple[bytes, bytes]:
-    """The header line and whatever of the files came with it."""
-    got = b""
-    while b"\n" not in got:
-        if len(got) > limit:
-            raise ValueError("header line too long")
-        piece = conn.recv(limit)
-        if not piece:
-            raise ValueError("closed before the header line")
-        got += piece
-    line, _, rest = got.partition(b"\n")
-    return line, rest
+HEADER_LIMIT = 1 << 20
+MAX_PENDING = 32  # connections whose header is still coming; the oldest goes first beyond it
 
 
-def recv_stream(srv: socket.socket, token: str, tid: str, place: Callable[[str], Path],
+def _accept_sender(srv: socket.socket, token: str, tid: str, files: list[tuple[str, int]],
+                   deadline: float) -> tuple[socket.socket, bytes]:
+    """The connection whose header announces ``files`` for ``tid`` under the job token,
+    and what of the files came with the header. Every connection's header is read as
+    it comes (non-blocking), so a peer that connects and sends nothing delays no one."""
+    want = _header(token, tid, files)
+    sel = selectors.DefaultSelector()
+    sel.register(srv, selectors.EVENT_READ)
+    pending: dict[socket.socket, bytearray] = {}
+
+    def drop(c: socket.socket) -> None:
+        sel.unregister(c)
+        del pending[c]
+        c.close()
+
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"no sender of transfer {tid} before its deadline")
+            for key, _ in sel.select(min(left, 1.0)):
+                if key.fileobj is srv:
+                    try:
+                        conn, _ = srv.accept()
+                    except OSError:
+                        continue
+                    if len(pending) >= MAX_PENDING:
+                        drop(next(iter(pending)))
+                    conn.setblocking(False)
+                    pending[conn] = bytearray()
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                conn = key.fileobj  # type: ignore[assignment]
+                try:
+                    piece = conn.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    piece = b""
+                buf = pending[conn]
+                buf += piece
+                if b"\n" not in buf:
+                    if not piece or len(buf) > HEADER_LIMIT:
+                        drop(conn)
+                    continue
+                line, _, rest = bytes(buf).partition(b"\n")
+                try:
+                    head = json.loads(line)
+                except ValueError:
+                    head = None
+                ours = (isinstance(head, dict) and head.get("tid") == tid and head.get("files") == want["files"]
+                        and set(head) == set(want) and auth.of(token).check_mac(
+                            f"stream/{tid}", {"tid": tid, "files": want["files"]}, head.get("mac")))
+                if not ours:
+                    drop(conn)  # not ours: wrong job, wrong transfer, or a stray connection
+                    continue
+                sel.unregister(conn)
+                del pending[conn]
+                conn.setblocking(True)
+                return conn, rest
+    finally:
+        for c in list(pending):
+            c.close()
+        sel.close()
+
+
+def recv_stream(srv: socket.socket, token: str, tid: str, files: list[tuple[str, int]], base: Path,
                 timeout_s: float) -> list[tuple[str, int]]:
-    """Accept the sender of ``tid`` on ``srv`` and write its files to ``place(name)``
-    (new files, 0600). Returns the (name, size) list it announced.
+    """Accept the sender of ``tid`` on ``srv`` and write ``files`` (the list the receiver
+    expects, names and sizes already checked with ``peer_files``) to new files under
+    ``base`` (0600), all within ``timeout_s``. Returns ``files``.
 
     Not fsynced: these are CRIU images, restored at once and deleted; a node that
     crashes meanwhile fails the migration whatever is on its disk. An fsync would
     write every page to a disk-backed jit dir (0.6 s for 240 MB here) and the
     deletion right after the restore would have made that write useless."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        if time.monotonic() > deadline:
-            raise TransferError(f"no sender of transfer {tid} within {timeout_s:.0f}s")
-        try:
-            conn, _ = srv.accept()
-        except TimeoutError:
-            continue
-        with conn:
-            _kernel_timeouts(conn, max(deadline - time.monotonic(), 1.0))
-            try:
-                line, rest = _read_header(conn)
-                head = json.loads(line)
-            except (ValueError, OSError):
-                continue
-            if not (isinstance(head, dict) and hmac.compare_digest(str(head.get("token", "")), token)
-                    and head.get("tid") == tid):
-                continue  # not ours: wrong job, wrong transfer, or a stray connection
-            _recv_files(conn, tid, head["files"], rest, place)
-            return [(rel, size) for rel, size in head["files"]]
+    conn, rest = _accept_sender(srv, token, tid, files, deadline)
+    with conn:
+        _recv_files(conn, tid, files, rest, base, deadline)
+    return files
 
 
-def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, place: Callable[[str], Path]) -> None:
+def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, base: Path, deadline: float) -> None:
     """The announced ``files`` from ``conn`` into new files (0600, unsynced: see
     recv_stream): first what came with the header, then the socket's bytes moved by
     splice() through a pipe (no copy through Python, one GIL hand-over per MiB), or,
-    where splice is missing, recv(MSG_WAITALL) of STREAM_BUF bytes at a time."""
+    where splice is missing, recv(MSG_WAITALL) of STREAM_BUF bytes at a time. Every
+    read waits at most until ``deadline`` (monotonic)."""
     early = memoryview(early_bytes)  # small files: several can come with the header's first recv
     pipe = _splice_pipe()
     view = memoryview(bytearray(STREAM_BUF)) if pipe is None else None
     try:
         for rel, size in files:
-            dest = place(rel)
-            layout.makedirs_private(dest.parent)
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, layout.FILE_MODE)
+            fd = peer_files.open_new(base, rel)
             try:
                 left = size
                 if len(early) and left:
@@ -409,6 +532,11 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                     _write_all(fd, piece)
                     left -= len(piece)
                 while left > 0:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TransferError(f"transfer {tid}: not complete by its deadline ({left} bytes of "
+                                            f"{rel} missing)")
+                    _kernel_timeouts(conn, remaining)
                     try:
                         if pipe is not None:
                             n, spliced = _splice_some(conn, pipe, fd, min(left, _PIPE_BYTES))
@@ -422,6 +550,9 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                             n = conn.recv_into(view, min(left, STREAM_BUF), socket.MSG_WAITALL)
                             _write_all(fd, view[:n])
                     except OSError as e:
+                        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):  # SO_RCVTIMEO: the deadline came
+                            raise TransferError(f"transfer {tid}: not complete by its deadline ({left} bytes of "
+                                                f"{rel} missing)") from None
                         raise TransferError(f"transfer {tid}: receiving {rel} failed ({e})") from None
                     if not n:
                         raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")

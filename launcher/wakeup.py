@@ -24,13 +24,13 @@ the process, so ``close`` says whether the waiter ended.
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import threading
 from datetime import timedelta
 
-from jitckpt.report import WAKE, namespace
+from jitckpt import auth
+from jitckpt.report import WAKE
 
 # a slot not set after this long is skipped when later ones exist (its writer
 # died between its two calls); anything else wakes the waiter at once
@@ -70,10 +70,10 @@ class Wakeup:
     def _run(self, addr: tuple[str, int], token: str, stop: threading.Event) -> None:
         from jitckpt.report import connect
 
-        ns = namespace(token)
+        a = auth.of(token)
         try:
             store = connect(*addr)
-            nxt = store.add(f"{ns}/n", 0) + 1
+            nxt = store.add(a.key("n"), 0) + 1
         except Exception:
             return  # the store is gone (job ending); the timeout path still works
         while not stop.is_set():
@@ -81,7 +81,7 @@ class Wakeup:
                 self._next = nxt
             try:
                 # the slot is set once its writer finished the report
-                store.wait([f"{ns}/r/{nxt}"], timedelta(seconds=WAIT_S))
+                store.wait([a.key("r", nxt)], timedelta(seconds=WAIT_S))
             except Exception:
                 if stop.is_set():
                     return
@@ -89,7 +89,7 @@ class Wakeup:
                     # a slot whose writer died between add and set stays
                     # empty; go past it when later slots exist (the reader
                     # skips it too)
-                    if store.add(f"{ns}/n", 0) > nxt:
+                    if store.add(a.key("n"), 0) > nxt:
                         nxt += 1
                 except Exception:
                     return  # the store is gone
@@ -145,8 +145,10 @@ class Wakeup:
             try:
                 from jitckpt.report import connect
 
-                key = f"{namespace(self._token)}/r/{self._next}"
-                connect(*self._watching, timeout_s=2.0).compare_set(key, "", json.dumps({"event": WAKE}))
+                a = auth.of(self._token)
+                key = a.key("r", self._next)
+                wake = a.seal(key, {"event": WAKE, "t": 0.0, "rank": None})
+                connect(*self._watching, timeout_s=2.0).compare_set(key, "", wake)
             except Exception:
                 pass  # the store is gone: the waiter's wait has failed already
         self._thread.join(timeout=2.0)

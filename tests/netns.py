@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -123,7 +124,8 @@ class Node:
         log = self.cluster.dir / f"{name}.log"
         fh = open(log, "w")
         popen = subprocess.Popen(full, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **(env or {})}, cwd=self.cluster.dir)
+                                 env={**os.environ, "JITCKPT_TOKEN": self.cluster.token, **(env or {})},
+                                 cwd=self.cluster.dir)
         fh.close()
         p = Proc(self, popen, log, name)
         self.procs.append(p)
@@ -151,6 +153,9 @@ class Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix=f"jitcluster-{uid}-"))
         self.nodes: list[Node] = []
         self._made: list[str] = []
+        # the job token every node's jitrun gets, as an operator would set it: jitrun
+        # never shares it through the store
+        self.token = secrets.token_hex(16)
 
     @staticmethod
     def unavailable() -> str | None:

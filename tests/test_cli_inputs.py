@@ -109,6 +109,7 @@ def args_of(*argv: str):
 def test_check_args_accepts_good_commands(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("JITCKPT_TIMEOUT", raising=False)
+    monkeypatch.setenv("JITCKPT_TOKEN", "0123456789abcdef0123456789abcdef")  # --nnodes 1:2 needs one
     (tmp_path / "train.py").write_text("")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__main__.py").write_text("")
@@ -122,6 +123,7 @@ def test_check_args_accepts_good_commands(tmp_path, monkeypatch):
 def test_check_args_rejects(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("JITCKPT_TIMEOUT", raising=False)
+    monkeypatch.delenv("JITCKPT_TOKEN", raising=False)
     (tmp_path / "train.py").write_text("")
     (tmp_path / "empty").mkdir()
     cases = {
@@ -135,6 +137,7 @@ def test_check_args_rejects(tmp_path, monkeypatch):
         ("--jit-save-timeout", "inf", "train.py"): "--jit-save-timeout inf: expected a finite number",
         ("--jit-save-timeout", "0", "train.py"): "--jit-save-timeout 0: expected a finite number",
         ("--jit-timeout=-inf", "train.py"): "--jit-timeout -inf: expected a finite number",
+        ("--nnodes", "2", "train.py"): "needs JITCKPT_TOKEN",
     }
     for argv, needle in cases.items():
         err = cli.check_args(args_of(*argv))

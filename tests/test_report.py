@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from jitckpt import report
+from jitckpt import auth, report
 from jitckpt.report import Reporter, ReportReader
 
 
@@ -26,8 +25,10 @@ def client(server):
     return report.connect("127.0.0.1", server.port, timeout_s=30)
 
 
-def test_namespace_is_per_token():
-    assert report.namespace("abc") == "jitckpt/abc"
+def test_key_names_are_per_token_and_do_not_hold_it():
+    a, b = auth.of("abc-token-0123456789"), auth.of("abd-token-0123456789")
+    assert a.key("n") != b.key("n") and a.key("n") != a.key("r", 1)
+    assert "abc-token" not in a.key("n") and a.key("n").startswith("jitckpt/")
 
 
 def test_round_trip_in_order(server, client):
@@ -37,7 +38,7 @@ def test_round_trip_in_order(server, client):
     assert reader.poll() == []
     w0.send("started", pid=11)
     w1.send("failure_detected", reason="sigterm", step=4)
-    w0.send("checkpoint_saved", step=4, seconds=0.25)
+    w0.send("checkpoint_saved", step=4, shard="0", seconds=0.25)
     msgs = reader.poll()
     assert [(m["event"], m["rank"]) for m in msgs] == [
         ("started", 0), ("failure_detected", 1), ("checkpoint_saved", 0)]
@@ -57,17 +58,17 @@ def test_reader_with_other_token_sees_nothing(server, client):
 
 
 def test_unset_slot_is_retried_later(server, client):
-    ns = report.namespace("tok-gap")
+    a = auth.of("tok-gap")
     w = Reporter(client, "tok-gap", rank=2)
     reader = ReportReader(server, "tok-gap")
     w.send("first")
     # a writer between add() and set(): slot 2 is taken but not written yet
-    slot = client.add(f"{ns}/n", 1)
+    slot = client.add(a.key("n"), 1)
     assert slot == 2
     w.send("third")
     assert [m["event"] for m in reader.poll()] == ["first"]  # stops at the gap, keeps order
     assert reader.poll() == []
-    client.set(f"{ns}/r/{slot}", json.dumps({"event": "second", "t": 0.0, "rank": 5}))
+    a.put(client, {"event": "second", "t": 0.0, "rank": 5}, "r", slot)
     assert [m["event"] for m in reader.poll()] == ["second", "third"]
     assert reader.poll() == []
 
@@ -82,10 +83,9 @@ def test_new_reader_reads_from_the_start(server, client):
 
 def test_slot_of_a_dead_writer_is_skipped_after_grace(server, client, monkeypatch):
     monkeypatch.setattr(report, "SLOT_GRACE_S", 0.2)
-    ns = report.namespace("tok-dead")
     w = Reporter(client, "tok-dead", rank=1)
     reader = ReportReader(server, "tok-dead")
-    client.add(f"{ns}/n", 1)  # a writer that died between add() and set()
+    client.add(auth.of("tok-dead").key("n"), 1)  # a writer that died between add() and set()
     w.send("after")
     assert reader.poll() == []
     time.sleep(0.3)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -99,7 +100,9 @@ def test_lost_node_drained_and_replaced_by_srun_on_spare(cluster, tmp_path, refe
     cluster.reset()
     jit, out = tmp_path / "jit", tmp_path / "final.pt"
     logs = {n: tmp_path / f"srun-{n}.log" for n in ("n1", "n2")}
-    env = {**cluster.env, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    # the job token, as an operator exports it before srun (jitrun never shares it through the store)
+    env = {**cluster.env, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR",
+           "JITCKPT_TOKEN": secrets.token_hex(16)}
     env.pop("JITCKPT_SLURM_LOG", None)  # the replacement's log: the hook's default in the jit dir
     port = _free_port()
     agent = [sys.executable, "-m", "jitrun.cli", "--nnodes", "2", "--nproc-per-node", "1",

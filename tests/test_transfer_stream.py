@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from jitrun import transfer
 
-TOKEN = "t0ken"
+TOKEN = "t0ken-0123456789abcdef"
 
 
 def _files(tmp: Path) -> list[tuple[str, Path]]:
@@ -29,9 +29,9 @@ def _files(tmp: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def _receive(srv, tid, dest: Path, result: dict) -> None:
+def _receive(srv, tid, dest: Path, result: dict, files: list[tuple[str, int]]) -> None:
     try:
-        result["got"] = transfer.recv_stream(srv, TOKEN, tid, lambda rel: dest / rel, 20.0)
+        result["got"] = transfer.recv_stream(srv, TOKEN, tid, files, dest, 20.0)
     except Exception as e:  # noqa: BLE001 (reported to the test)
         result["error"] = e
 
@@ -59,13 +59,16 @@ def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, s
     port = srv.getsockname()[1]
     dest = tmp_path / "dst"
     result: dict = {}
-    th = threading.Thread(target=_receive, args=(srv, "tid-1", dest, result))
+    sizes = [(rel, p.stat().st_size) for rel, p in files]
+    th = threading.Thread(target=_receive, args=(srv, "tid-1", dest, result, sizes))
     th.start()
     try:
-        # a connection with the wrong token, and one for another transfer: closed, the wait goes on
-        for tok, tid in (("wrong", "tid-1"), (TOKEN, "tid-other")):
+        # a header sealed under another token, one for another transfer, and one naming other
+        # files: closed, the wait goes on
+        for head in (transfer._header("another-token-0123456789", "tid-1", sizes),
+                     transfer._header(TOKEN, "tid-other", sizes), transfer._header(TOKEN, "tid-1", sizes[:1])):
             with socket.create_connection(("127.0.0.1", port)) as c:
-                c.sendall(json.dumps({"token": tok, "tid": tid, "files": []}).encode() + b"\n")
+                c.sendall(json.dumps(head).encode() + b"\n")
                 assert c.recv(1) == b""  # the receiver hung up on it
         sent = transfer.send_stream("127.0.0.1", port, TOKEN, "tid-1", files, timeout_s=20.0)
         th.join(30)
@@ -84,11 +87,11 @@ def test_sender_that_stops_short_is_an_error(tmp_path):
     srv = transfer.listen("127.0.0.1")
     port = srv.getsockname()[1]
     result: dict = {}
-    th = threading.Thread(target=_receive, args=(srv, "tid-2", tmp_path / "dst", result))
+    th = threading.Thread(target=_receive, args=(srv, "tid-2", tmp_path / "dst", result, [("img/a", 1000)]))
     th.start()
     try:
         with socket.create_connection(("127.0.0.1", port)) as c:
-            c.sendall(json.dumps({"token": TOKEN, "tid": "tid-2", "files": [["img/a", 1000]]}).encode() + b"\n")
+            c.sendall(json.dumps(transfer._header(TOKEN, "tid-2", [("img/a", 1000)])).encode() + b"\n")
             c.sendall(b"y" * 10)
         th.join(30)
     finally:

@@ -4,7 +4,6 @@ start meanwhile). Agent's main thread."""
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,9 @@ def move_out(migrating: dict[int, list[dict]], *, store, coord, token: str, root
     under a backend without one: every migration then fails over to a JIT
     checkpoint and a restart)."""
     for gen, msgs in sorted(migrating.items()):
-        req = json.loads(store.get(migrate.key(token, gen, "req")))
+        req = migrate.read_request(store, token, gen)
+        if req is None:
+            continue  # not a request of this job (one line in the timeline)
         moving = migrate.moving_ranks(req)
         mine = [int(m["rank"]) for m in msgs]
         resume = None
