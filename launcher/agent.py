@@ -143,6 +143,7 @@ class JitAgent(LocalElasticAgent):
         self._pending: _Failure | None = None  # restarted, waiting for "resumed"
         self._exited: dict[int, int] = {}
         self._fault_t: float | None = None
+        self._fault_step = -1  # the step an injected fault announced, read before the failure was seen
         self._jit_env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES", "JITCKPT_ATTEMPT"}
         addr = self._worker_group.spec.local_addr or socket.getfqdn()
         self._node = decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=_host_name(), addr=addr)
@@ -658,6 +659,7 @@ class JitAgent(LocalElasticAgent):
         for m in now:
             if m["event"] == "fault_injected":
                 self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
+                self._fault_step = max(self._fault_step, int(m.get("step", -1)))
         reported = any(m["event"] == "failure_detected" for m in now)
         if not failed and not reported and self._coord is not None and self._coord.failed(self._round):
             reported = True  # another node's agent is handling a failure of this round
@@ -672,6 +674,9 @@ class JitAgent(LocalElasticAgent):
         if failed or reported:
             self._failure = _Failure(time.time())
             self._failure.fault_t, self._fault_t = self._fault_t, None
+            # the failing rank said its step before it died, possibly a poll earlier: without it a
+            # recovery with no surviving reporter (every rank killed) could not say what it redid
+            self._failure.progress, self._fault_step = self._fault_step, -1
         for m in msgs:
             self._absorb(m)
         if self._migrating and not failed and not reported:
@@ -763,6 +768,11 @@ class JitAgent(LocalElasticAgent):
             self._events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
         for h in handlers.values():
             h.wait()
+        for r, h in handlers.items():
+            c = h.poll()
+            if r not in self._exited and c is not None:  # savers that left after the loop, the killed
+                self._events.emit("worker_exit", rank=r, exitcode=c, killed=r in f.killed,
+                                  signal=signal.Signals(-c).name if c < 0 else None)
         f.stopped_t = time.time()
         self._poll(wg)
         if f.ckpt_done_t is None and f.saved:
