@@ -4,9 +4,10 @@ before any ``except`` runs (jitckpt/hooks.py). One script per catcher
 (tests/catchers/): ``@hydra.main`` (prints "Error executing job with
 overrides" and exits 1), ``try: main() except Exception: sys.exit(1)``,
 Lightning's ``trainer.fit`` (catches, tears down, re-raises) and Accelerate's
-own process-group set-up and DDP wrapping. Every model has a BatchNorm layer,
-so DDP broadcasts its buffers at the start of each forward, in C++, the
-collective pytorch/examples' minGPT-ddp timed out in under Hydra.
+own process-group set-up and DDP wrapping. Every model has a buffer (a
+causal mask, as minGPT's attention), so DDP broadcasts its buffers at the
+start of each forward, in C++: the collective pytorch/examples' minGPT-ddp
+timed out in under Hydra.
 
 Rank 1 is killed (SIGKILL) or stopped (SIGSTOP, rank 0 then waits the JIT
 timeout) between minibatches (in its forward pre-hook, before the

@@ -1,7 +1,7 @@
 """An Accelerate script in the shape of Accelerate's own examples
 (``training_function`` called from ``main``): Accelerate sets up the process
 group itself and wraps the model in DDP (``accelerator.prepare``), whose
-forward broadcasts the BatchNorm buffers; gradients go through
+forward broadcasts the model's buffer (core.py); gradients go through
 ``accelerator.backward``.
 
     jitrun --nproc-per-node 2 accelerate_main.py --out final.pt
@@ -13,6 +13,7 @@ import argparse
 
 import torch
 from accelerate import Accelerator
+from core import model as make_model
 from torch.utils.data import DataLoader, TensorDataset
 
 import jitckpt.integrations.accelerate as jitckpt_accelerate
@@ -20,13 +21,11 @@ import jitckpt.integrations.accelerate as jitckpt_accelerate
 
 def training_function(args: argparse.Namespace) -> None:
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(256, 12, generator=g)
     y = (x[:, :4].sum(1, keepdim=True) > 0).float()
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = jitckpt_accelerate.resumable(accelerator, state={"epoch": 0})

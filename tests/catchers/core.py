@@ -1,9 +1,10 @@
 """The training the catcher scripts share (tests/test_catchers.py): DDP over
-gloo, a model with a BatchNorm layer, so DDP broadcasts its buffers from rank 0
-at the start of every forward (a C++ collective no torch.distributed function
-wraps, the path pytorch/examples' minGPT fails in when a peer stops between
-minibatches), a shuffling DistributedSampler over epochs, SGD with momentum
-and a step LR schedule, made resumable with the README's one call."""
+gloo, a model with a buffer (a causal mask, as minGPT's attention has), so DDP
+broadcasts its buffers from rank 0 at the start of every forward (a C++
+collective no torch.distributed function wraps, the path pytorch/examples'
+minGPT-ddp fails in when a peer stops between minibatches), a shuffling
+DistributedSampler over epochs, SGD with momentum and a step LR schedule,
+made resumable with the README's one call."""
 
 from __future__ import annotations
 
@@ -27,9 +28,22 @@ def data() -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class MaskedMix(nn.Module):
+    """A linear map restricted by a lower-triangular mask buffer (minGPT's
+    ``bias`` buffer in its attention): a buffer DDP broadcasts every forward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("mask", torch.tril(torch.ones(n, n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.lin.weight * self.mask, self.lin.bias)
+
+
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), MaskedMix(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
 
 
 def train(out: str, epochs: int) -> None:

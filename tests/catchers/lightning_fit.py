@@ -1,8 +1,8 @@
 """A Lightning script ended by Lightning's own launch: ``trainer.fit`` runs
 the training inside ``_call_and_handle_interrupt``, which catches every
 exception, runs the callbacks' ``on_exception`` and the strategy's teardown,
-then re-raises. DDP over gloo; the model has a BatchNorm layer, so DDP
-broadcasts its buffers at the start of every forward.
+then re-raises. DDP over gloo; the model (core.py) has a buffer, so DDP
+broadcasts it at the start of every forward.
 
     jitrun --nproc-per-node 2 lightning_fit.py --out final.pt
 """
@@ -14,6 +14,7 @@ import warnings
 
 import lightning as L
 import torch
+from core import model
 from torch.utils.data import DataLoader, TensorDataset
 
 from jitckpt.integrations.lightning import JitCallback
@@ -22,8 +23,7 @@ from jitckpt.integrations.lightning import JitCallback
 class Classifier(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
-                                       torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+        self.net = model()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -42,18 +42,17 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
-    torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(256, 12, generator=g)
     y = (x[:, :4].sum(1, keepdim=True) > 0).float()
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = Classifier()
+    module = Classifier()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
                         callbacks=[JitCallback()], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, loader)
+    trainer.fit(module, loader)
     if trainer.is_global_zero:
-        torch.save({"model": model.state_dict(), "optim": trainer.optimizers[0].state_dict(),
+        torch.save({"model": module.state_dict(), "optim": trainer.optimizers[0].state_dict(),
                     "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                     "global_step": trainer.global_step, "epoch": trainer.current_epoch}, args.out)
 
