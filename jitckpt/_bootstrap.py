@@ -149,6 +149,9 @@ def main() -> NoReturn:
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:
+        # A framework that caught a collective failure and exits (Hydra, a
+        # try/except around main()): the error is this exception's context.
+        rt.script_ended(e)
         code = _exit_code(e)
     except KeyboardInterrupt:
         traceback.print_exc()
@@ -162,8 +165,11 @@ def main() -> NoReturn:
         # buffer broadcast in forward) still leads to the JIT save: the
         # excepthook jitckpt installed does it (and then never returns).
         sys.excepthook(type(e), e, e.__traceback__)
+        rt.script_ended(e)
         _record_error(e)
         _exit(1)
+    else:
+        rt.script_ended(None)
     if code == 0:
         # loaded: for a rank restored after the last minibatch, which never
         # reaches the training-start report

@@ -5,14 +5,26 @@ What is hooked, and why each is needed:
   step count);
 * DistributedDataParallel forward pre-hook (added by a wrapped ``__init__``):
   the start of a minibatch, before its first collective; deferred saves run here;
+* ``DistributedDataParallel.forward``: where DDP's own collectives in forward
+  fail (the buffer broadcast, a C++ call no ``torch.distributed`` function
+  wraps, and the join hooks' all-reduces);
 * ``torch.autograd.backward``: phase BWD, and the place where a failed
   gradient all-reduce (peer died, or the process-group timeout fired) surfaces;
 * ``torch.distributed`` collective functions: explicit collectives, same two
   roles;
+* ``Work.wait``: an asynchronous collective (``async_op=True``, FSDP2's
+  all-gathers and reduce-scatters) fails where it is waited on;
 * the default process-group timeout: set to the JIT timeout so that a hung
   gloo/nccl collective raises after ``--jit-timeout`` seconds instead of 30 min;
-* ``sys.excepthook``: a collective error that escaped elsewhere (e.g. DDP's
-  buffer broadcast in forward) still leads to a save.
+* ``sys.excepthook`` (and the end of the script, _bootstrap.py): a collective
+  error raised where none of the above sees it still leads to a save when it
+  ends the process, also through ``raise ... from`` or a ``sys.exit`` in an
+  ``except`` clause.
+
+Every place above that sees a collective error hands it to the runtime before
+re-raising it: the JIT save (or the decision that this rank cannot save) is
+taken there, before any ``except`` of the user or a framework (Hydra,
+Lightning, a ``try: main() except: sys.exit(1)``) can catch the exception.
 Each hook costs one attribute check and a function call on the hot path.
 """
 
@@ -20,10 +32,11 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from datetime import timedelta
 
 from .config import shim_preloaded
-from .runtime import Runtime, is_collective_error
+from .runtime import Phase, Runtime, find_collective_error, is_collective_error
 
 _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -47,6 +60,45 @@ def _guard(rt: Runtime, fn):
 
     wrapper.__jitckpt_wrapped__ = fn
     return wrapper
+
+
+def _raise_guard(rt: Runtime, fn):
+    """``fn`` (which starts no collective of its own but can surface a failed
+    one), with that failure handed to the runtime before it propagates."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if is_collective_error(e):
+                rt.on_collective_error(e)
+            raise
+
+    wrapper.__jitckpt_wrapped__ = fn
+    return wrapper
+
+
+def _wait_guard(rt: Runtime, fn):
+    """``Work.wait``: the completion of a collective, in the main thread once
+    training started, is a collective like a ``torch.distributed`` call. Not
+    elsewhere: jitckpt's own erasure-coding group waits in a thread of its own
+    and at start-up (ec_snapshot.py, ec_restore.py) and handles its errors."""
+    main = threading.main_thread()
+
+    @functools.wraps(fn)
+    def wait(self, *args, **kwargs):
+        if rt.phase is Phase.INIT or threading.current_thread() is not main:
+            return fn(self, *args, **kwargs)
+        rt.on_collective()
+        try:
+            return fn(self, *args, **kwargs)
+        except RuntimeError as e:
+            if is_collective_error(e):
+                rt.on_collective_error(e)
+            raise
+
+    wait.__jitckpt_wrapped__ = fn
+    return wait
 
 
 def install(rt: Runtime, detect: bool = True) -> None:
@@ -95,6 +147,10 @@ def install(rt: Runtime, detect: bool = True) -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
             setattr(dist, name, _guard(rt, fn))
+    if not hasattr(DDP.forward, "__jitckpt_wrapped__"):
+        DDP.forward = _raise_guard(rt, DDP.forward)
+    if not hasattr(dist.Work.wait, "__jitckpt_wrapped__"):
+        dist.Work.wait = _wait_guard(rt, dist.Work.wait)
 
     pg_timeout = rt.cfg.timeout_s
     if shim_preloaded():
@@ -106,8 +162,9 @@ def install(rt: Runtime, detect: bool = True) -> None:
     prev_hook = sys.excepthook
 
     def excepthook(tp, exc, tb):
-        if is_collective_error(exc):
-            rt.on_collective_error(exc)
+        err = find_collective_error(exc)
+        if err is not None:
+            rt.on_collective_error(err)
         prev_hook(tp, exc, tb)
 
     sys.excepthook = excepthook

@@ -9,7 +9,10 @@ consistent point, the next minibatch's forward/backward/collective entry.
 
 Threads and locks
 -----------------
-* main thread: runs the user's loop and every phase hook below.
+* main thread: runs the user's loop and every phase hook below, and
+  ``on_collective_error`` where torch raises a collective error (hooks.py), so
+  the save starts before any ``except`` above that frame runs; the end of the
+  script (``script_ended``, from _bootstrap.py) is the last such point.
 * watcher thread (``jitckpt-watcher``, daemon): blocks reading the signal
   wakeup pipe. Python's C-level signal handler writes the signal number there
   even while the main thread is stuck in a collective with the GIL released,
@@ -25,7 +28,8 @@ then _lock.
 
 ``_lock`` (threading.Lock) guards ``phase``, ``deferred`` and ``saving``; it
 is held only for those few reads/writes, never across save_fn or I/O. Whoever
-sets ``saving`` owns the save and ends the process with ``os._exit``; any other
+sets ``saving`` owns the save (or the decision that there is none,
+``_leave_unsaved``) and ends the process with ``os._exit``; any other
 thread that then needs the lock-protected state (the main thread entering the
 optimizer step, a second trigger) parks forever on ``_halt`` so parameters are
 never written while they are being saved. The Python-level SIGTERM handler
@@ -80,6 +84,19 @@ def is_collective_error(exc: BaseException) -> bool:
                                   "Timed out waiting", "Application timeout caused pair closure"))
 
 
+def find_collective_error(exc: BaseException | None) -> BaseException | None:
+    """``exc`` or the first collective error it was raised from or while
+    handling (``__cause__``/``__context__``): a framework that wraps the error,
+    or exits with ``sys.exit`` from its ``except`` clause, keeps it there."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if is_collective_error(exc):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _process_start_time() -> float | None:
     """When this process was created (unix seconds, 10 ms resolution): for a
     forked warm worker the fork, for a fresh one the exec, before Python's own
@@ -105,6 +122,7 @@ class Runtime:
         self.phase_t = time.monotonic()
         self.deferred: str | None = None
         self.saving = False
+        self.collective_exc: BaseException | None = None  # the first collective error seen (main thread)
         self._lock = threading.Lock()
         self._halt = threading.Event()  # never set: parks threads until os._exit
         self._exit_lock = threading.Lock()  # watcher acts only under it; taken for good at exit
@@ -391,11 +409,79 @@ class Runtime:
         self._save_and_exit(reason, Phase.POST if post_step else Phase.FWD, announced=True)
 
     def on_collective_error(self, exc: BaseException) -> None:
+        """A collective failed or timed out: called where torch raised it,
+        before the exception can reach any ``except`` of the user or a
+        framework. In FWD/BWD (and INIT) this saves (or says why not) and
+        ends the process; in OPT the optimizer step was cut short with
+        parameters partly written, so this rank has no consistent state and
+        leaves at once (a peer's replica is used); in POST the save waits for
+        the next minibatch start, or for the script's end (``script_ended``)
+        when the exception ends the training instead."""
+        if exc is self.collective_exc:
+            return  # the same error again, further up the stack
+        first = self.collective_exc is None
+        if first:
+            self.collective_exc = exc
         waited = time.monotonic() - self.phase_t
-        self.report("failure_detected", reason="collective_error", phase=self.phase.value,
-                    step=self.steps_done, waited_s=round(waited, 3), error=str(exc)[:300],
-                    minibatch_s=self.minibatch_s())
+        if first:
+            self.report("failure_detected", reason="collective_error", phase=self.phase.value,
+                        step=self.steps_done, waited_s=round(waited, 3), error=str(exc)[:300],
+                        minibatch_s=self.minibatch_s())
+        if self.phase is Phase.OPT:
+            self._leave_unsaved("a collective failed inside the optimizer step: parameters are partly updated")
         self.request_save("collective_error", announced=True)
+
+    def _leave_unsaved(self, why: str) -> None:
+        """End the process without a checkpoint (EXIT_NOT_SAVED), unless a
+        save is already running (then park until it ends the process)."""
+        with self._lock:
+            park = self.saving
+            self.saving = True
+        if park:
+            self._halt.wait()
+        try:
+            self.report("checkpoint_skipped", why=why)
+            print(f"[jitckpt] rank {self.cfg.rank}: no JIT checkpoint from this rank: {why}", file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_config.EXIT_NOT_SAVED)
+
+    def script_ended(self, exc: BaseException | None) -> None:
+        """The script returned, raised, or called ``sys.exit`` (``exc``): the
+        last chance for a save a collective failure asked for. A collective
+        error found in ``exc`` that no hook saw is handled as at its raise
+        point; one seen after an optimizer step (POST) whose exception then
+        ended the training, instead of a next minibatch start, is saved here,
+        at the state after that step, with the minibatch-start snapshot
+        (resumable's RNG, counters and data position) taken first, as at a
+        collective after the step. Returns only when there is nothing to save."""
+        if not self.cfg.managed:
+            return  # not under jitrun: the process ends as under torchrun
+        err = find_collective_error(exc)
+        if err is not None:
+            self.on_collective_error(err)
+        if self.collective_exc is None or self.deferred is None:
+            return
+        with self._lock:
+            if self.saving:
+                park = True
+            else:
+                park = False
+                self.saving = True
+        if park:
+            self._halt.wait()
+        reason = self.deferred
+        if self.on_minibatch_start is not None:
+            try:
+                self.on_minibatch_start()
+            except BaseException as e:
+                self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(_config.EXIT_NOT_SAVED)
+        self._save_and_exit(reason, Phase.POST, announced=True)
 
     def _save_and_exit(self, reason: str, phase: Phase, announced: bool = False) -> None:
         code = _config.EXIT_NOT_SAVED

@@ -91,7 +91,8 @@ def test_double_fault(tmp_path, ref):
 @pytest.mark.slow
 def test_both_ranks_killed_at_once_says_what_it_knows(tmp_path, ref):
     """No healthy replica: restart from the newest older checkpoint (here an
-    earlier failure's), and the timeline does not claim a count it cannot know."""
+    earlier failure's), and the timeline says how many minibatches that redoes:
+    the killed ranks said their step before they died, no survivor did."""
     fault = "rank=1,step=3,phase=backward,kind=sigkill;rank=0,step=9,phase=forward,kind=sigkill,attempt=1;" \
             "rank=1,step=9,phase=forward,kind=sigkill,attempt=1"
     code, text, evs, out = _run(tmp_path, fault)
@@ -99,7 +100,7 @@ def test_both_ranks_killed_at_once_says_what_it_knows(tmp_path, ref):
     assert_same_state(ref, out)
     second = [e for e in evs if e["event"] == "recovery"][-1]
     assert second["restore_step"] == 3, second
-    assert second["redone_minibatches"] in (None, 7), second  # unknown, or 9 + 1 - 3 when a rank said so
+    assert second["redone_minibatches"] == 7 and second["progress_step"] == 9, second  # 9 + 1 - 3
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from jitckpt import layout
 from jitckpt.config import WorkerConfig
 from jitckpt.faults import InjectedFault
-from jitckpt.runtime import Phase, Runtime, is_collective_error
+from jitckpt.runtime import Phase, Runtime, find_collective_error, is_collective_error
 
 
 class SaveCalled(Exception):
@@ -192,6 +192,134 @@ def test_optimizer_entry_while_saving_parks(rt):
     t.start()
     t.join(timeout=0.5)
     assert entered == [] and rt.phase is Phase.FWD
+
+
+# --- a collective error a framework would catch ------------------------------------------
+
+PEER_GONE = "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed by peer"
+
+
+class Exited(Exception):
+    pass
+
+
+@pytest.fixture
+def managed(rt, monkeypatch):
+    """``rt`` as under jitrun (a token), with os._exit recorded instead of taken."""
+    codes: list[int] = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    rt.cfg = _cfg(rt.cfg.root, token="job-token")
+    rt.exits = codes
+    return rt
+
+
+def test_collective_error_in_the_optimizer_step_leaves_unsaved(managed):
+    rt = managed
+    _minibatch(rt)
+    rt.on_forward()
+    rt.on_backward(None)
+    rt.on_optimizer_pre()
+    with pytest.raises(Exited):
+        rt.on_collective_error(RuntimeError(PEER_GONE))
+    assert rt.exits == [76] and rt.saves == [] and rt.saving  # parameters partly written: no save
+
+
+def test_collective_error_after_the_step_is_saved_at_the_script_end(managed):
+    rt = managed
+    snapshots = []
+    rt.on_minibatch_start = lambda: snapshots.append(rt.steps_done)
+    _minibatch(rt)
+    err = RuntimeError(PEER_GONE)
+    rt.on_collective_error(err)  # e.g. a Work.wait after the step: deferred to the next minibatch start
+    rt.on_collective_error(err)  # the same error seen again further up
+    assert rt.deferred == "collective_error" and rt.saves == [] and rt.collective_exc is err
+    # ... which never comes: the exception ended the training, a catcher calls sys.exit(1)
+    try:
+        try:
+            raise err
+        except RuntimeError:
+            raise SystemExit(1) from None
+    except SystemExit as e:
+        ended = e
+    with pytest.raises(SaveCalled):
+        rt.script_ended(ended)
+    assert rt.saves == [("collective_error", Phase.POST)] and snapshots == [0, 1]  # the snapshot of step 1 first
+
+
+def test_script_end_finds_the_error_a_catcher_swallowed(managed):
+    rt = managed
+    _minibatch(rt)
+    rt.on_forward()
+    try:
+        try:
+            raise RuntimeError(PEER_GONE)  # raised where no hook saw it
+        except RuntimeError:
+            raise SystemExit(1)  # noqa: B904 - what Hydra and a try/except around main() do
+    except SystemExit as e:
+        ended = e
+    with pytest.raises(SaveCalled):
+        rt.script_ended(ended)
+    assert rt.saves == [("collective_error", Phase.FWD)]
+
+
+@pytest.mark.parametrize("exc", [None, SystemExit(0), SystemExit(1), ValueError("bad input")])
+def test_script_end_without_a_collective_error_does_nothing(managed, exc):
+    rt = managed
+    _minibatch(rt)
+    rt.request_save("sigterm")  # deferred, no collective failed: the script's own end stands
+    rt.script_ended(exc)
+    assert rt.saves == [] and rt.exits == []
+
+
+def test_script_end_outside_jitrun_does_nothing(rt):
+    _minibatch(rt)
+    rt.on_forward()
+    try:
+        raise SystemExit(1) from RuntimeError(PEER_GONE)
+    except SystemExit as e:
+        rt.script_ended(e)
+    assert rt.saves == []
+
+
+def test_find_collective_error_follows_cause_and_context():
+    err = RuntimeError(PEER_GONE)
+    wrapped = ValueError("job failed")
+    wrapped.__cause__ = err
+    assert find_collective_error(wrapped) is err
+    outer = SystemExit(1)
+    outer.__context__ = wrapped
+    assert find_collective_error(outer) is err
+    a, b = ValueError("a"), ValueError("b")
+    a.__context__, b.__context__ = b, a  # a cycle ends the walk
+    assert find_collective_error(a) is None and find_collective_error(None) is None
+
+
+def test_wait_guard_acts_only_in_the_main_thread_once_training_started(managed, monkeypatch):
+    from jitckpt import hooks
+
+    rt = managed
+    seen = []
+    monkeypatch.setattr(rt, "on_collective_error", lambda e: seen.append(threading.current_thread().name))
+
+    def failing_wait(self):
+        raise RuntimeError(PEER_GONE)
+
+    wait = hooks._wait_guard(rt, failing_wait)
+    with pytest.raises(RuntimeError):
+        wait(None)  # INIT: jitckpt's own EC restore handles its errors
+    rt.on_forward()
+    t = threading.Thread(target=lambda: pytest.raises(RuntimeError, wait, None), name="jitckpt-ec")
+    t.start()
+    t.join()
+    assert seen == []
+    with pytest.raises(RuntimeError):
+        wait(None)
+    assert seen == ["MainThread"]
 
 
 # --- is_collective_error ----------------------------------------------------------------

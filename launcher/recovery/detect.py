@@ -18,6 +18,7 @@ class Detector:
         # an injected fault's announcement only timestamps the failure; detection
         # is the healthy ranks' (or an exit), as it would be for a real fault
         self._fault_t: float | None = None
+        self._fault_step = -1  # the step an injected fault announced, read before the failure was seen
 
     def check(self, msgs: list[dict], codes: dict[int, int | None], procs: dict[int, Proc],
               other_node_failed: bool) -> Failure | None:
@@ -28,6 +29,7 @@ class Detector:
         for m in now:
             if m["event"] == "fault_injected":
                 self._fault_t = m["t"] if self._fault_t is None else min(self._fault_t, m["t"])
+                self._fault_step = max(self._fault_step, int(m.get("step", -1)))
         reported = any(m["event"] == "failure_detected" for m in now) or (not failed and other_node_failed)
         self._book.finished |= {m["rank"] for m in msgs if m["event"] == "finished"}
         if not failed and not reported and self._book.finished:
@@ -40,4 +42,7 @@ class Detector:
             return None
         f = Failure(time.time())
         f.fault_t, self._fault_t = self._fault_t, None
+        # the failing rank said its step before it died, possibly a poll earlier: without it a
+        # recovery with no surviving reporter (every rank killed) could not say what it redid
+        f.progress, self._fault_step = self._fault_step, -1
         return f

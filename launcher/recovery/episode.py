@@ -153,6 +153,11 @@ class Episode:
             self.events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")
         for h in self.procs.values():
             h.wait()
+        for r, h in self.procs.items():
+            c = h.poll()
+            if r not in self.exited and c is not None:  # savers that left after the loop, the killed
+                self.events.emit("worker_exit", rank=r, exitcode=c, killed=r in f.killed,
+                                 signal=signal.Signals(-c).name if c < 0 else None)
 
     def _possible_savers(self, alive: list[int], since: float, grace: float) -> list[int]:
         """Live ranks that could still publish a checkpoint: not one without a
