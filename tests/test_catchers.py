@@ -76,7 +76,7 @@ def run_caught(tmp: Path, catcher: str, kind: str, where: str) -> Job:
     script, args, _ = CATCHERS[catcher]
     jit, out = tmp / "jit", tmp / "final.pt"
     assert JITRUN.exists(), f"{JITRUN} not installed: pip install -e . in this environment"
-    cmd = [str(JITRUN), "--standalone",  # TODO(static): bare form once attempts count up
+    cmd = [str(JITRUN),  # the bare form users type
            "--nproc-per-node", "2", "--max-restarts", "3", "--jit-timeout", "3", "--jit-dir", str(jit),
            str(HERE / script), *args(tmp, out)]
     fault = f"rank=1,step={STEP},phase={WHERE[where]},kind={kind}"
