@@ -7,7 +7,7 @@ import sys
 import time
 import traceback
 
-from . import config, layout
+from . import config, contract, layout
 from .consistency import FRESH
 from .runtime import Runtime, SaveFn
 
@@ -111,7 +111,7 @@ def get_checkpoint_path() -> str | None:
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():
         return None
-    if os.environ.get("JITCKPT_RESTORE_SOURCE") == "ec":
+    if contract.RESTORE_SOURCE.get() == "ec":
         # the job chose an EC snapshot: decode it into the layout here (collective over the
         # ranks; sets JITCKPT_RESTORE_STEP to the EC step, or to the fallback), then the normal path below
         from . import ec_restore
@@ -120,7 +120,7 @@ def get_checkpoint_path() -> str | None:
     replicas, rejected = layout.scan(cfg.root, cfg.job_id or None)
     for path, why in rejected:
         print(f"[jitckpt] rank {cfg.rank}: ignoring {path}: {why}", file=sys.stderr)
-    env_step = os.environ.get("JITCKPT_RESTORE_STEP", "").strip()
+    env_step = contract.RESTORE_STEP.get().strip()
     if env_step == "none":
         return None
     if env_step:

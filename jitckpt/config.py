@@ -6,12 +6,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import contract
+
 # Exit codes of a worker that handled a failure (documented in README).
 EXIT_SAVED = 75  # a JIT checkpoint was published, the worker stopped on purpose
 EXIT_NOT_SAVED = 76  # a failure was detected but no consistent state could be saved
 EXIT_DIVERGED = 77  # ranks loaded different checkpoint steps: refused before any training step
 
-DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_TIMEOUT_S = contract.DEFAULT_TIMEOUT_S
 
 
 def shim_preloaded() -> bool:
@@ -40,21 +42,19 @@ class WorkerConfig:
 
 
 def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
-    root = env.get("JITCKPT_DIR")
-    restore = env.get("JITCKPT_RESTORE_STEP", "")
     addr = None
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     return WorkerConfig(
-        root=Path(root) if root else None,
-        job_id=env.get("JITCKPT_JOB_ID", ""),
-        token=env.get("JITCKPT_TOKEN", ""),
-        timeout_s=float(env.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S),
+        root=contract.DIR.get(env),
+        job_id=contract.JOB_ID.get(env),
+        token=contract.TOKEN.get(env),
+        timeout_s=contract.TIMEOUT.get(env),
         rank=int(env.get("RANK", "0")),
         world_size=int(env.get("WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        attempt=int(env.get("JITCKPT_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT") or "0"),
-        restore_step=int(restore) if restore.strip().isdigit() else None,
+        attempt=contract.attempt(env),
+        restore_step=contract.restore_step(env),
         store_addr=addr,
-        fault_spec=env.get("JITCKPT_FAULT", ""),
+        fault_spec=contract.FAULT.get(env),
     )

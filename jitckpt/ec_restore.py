@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import ec_pack, ec_snapshot, layout
-from .ec_snapshot import ENV_FALLBACK, ENV_SOURCE, log
+from . import contract, ec_pack, ec_snapshot, layout
+from .ec_snapshot import log
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
 def restore(rt: Runtime) -> bool:
     """Decode the chosen EC step into this rank's jit dir; set JITCKPT_RESTORE_STEP for the normal path
     to the EC step on success, else to the fallback. Runs once per process. True when decoded."""
-    source = os.environ.pop(ENV_SOURCE, "")
+    source = contract.RESTORE_SOURCE.unset() or ""
     if source != "ec":
         return False
     cfg = rt.cfg
-    step = int(os.environ["JITCKPT_RESTORE_STEP"])
-    fallback = os.environ.get(ENV_FALLBACK, "none") or "none"
+    step = int(contract.RESTORE_STEP.get())
+    fallback = contract.EC_FALLBACK_STEP.get()
     ok, why = False, ""
     try:
         g = ec_snapshot.ec_group(ec_snapshot.group_timeout())
@@ -60,7 +60,7 @@ def restore(rt: Runtime) -> bool:
         log(f"rank {cfg.rank}: restored step {step} from the EC snapshot in peers' memory")
         rt.report("ec_restored", step=step)
         return True
-    os.environ["JITCKPT_RESTORE_STEP"] = fallback
+    contract.RESTORE_STEP.set(fallback)
     log(f"rank {cfg.rank}: WARNING: EC snapshot of step {step} could not be restored job-wide "
         f"({why or 'another rank failed'}); falling back to "
         f"{'a FRESH START' if fallback == 'none' else 'step ' + fallback}")

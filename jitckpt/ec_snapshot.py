@@ -42,18 +42,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import ec_pack, layout
+from . import contract, ec_pack, layout
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-ENV_EVERY = "JITCKPT_EC_EVERY"
-ENV_CODE = "JITCKPT_EC_CODE"  # "K+M" or "auto" (default_code of the node count)
-ENV_SHM = "JITCKPT_EC_SHM"  # base directory instead of /dev/shm (tests simulating several nodes on one host)
-ENV_SOURCE = "JITCKPT_RESTORE_SOURCE"  # "ec": get_checkpoint_path decodes JITCKPT_RESTORE_STEP from chunks
-ENV_FALLBACK = "JITCKPT_EC_FALLBACK_STEP"  # what to load if the EC decode fails job-wide ("none" = fresh)
-ENV_MAX_MEM = "JITCKPT_EC_MAX_MEM"  # bytes of /dev/shm this job's EC files may use on this node (jitrun resolves it)
-ENV_MAX_MEM_HOW = "JITCKPT_EC_MAX_MEM_HOW"  # where the cap came from, for messages ("--jit-ec-max-mem 2G", ...)
 DEFAULT_MAX_MEM_FRACTION = 0.25  # default cap: this fraction of MemAvailable (and at most the /dev/shm size)
 VERSIONS_HELD = 2  # while version v+1 is placed, version v is still the committed one
 
@@ -69,7 +62,7 @@ def log(msg: str) -> None:
 def enabled(env=os.environ) -> bool:
     """jitrun was given --jit-ec-every N > 0 (the agent and its workers share the variable)."""
     try:
-        return int(env.get(ENV_EVERY) or 0) > 0
+        return contract.EC_EVERY.get(env) > 0
     except ValueError:
         return False
 
@@ -143,7 +136,7 @@ def resolve_max_mem(text: str | None, avail: int | None = None, shm: int | None 
     Raises ValueError naming the numbers and the fix."""
     avail = mem_available() if avail is None else avail
     shm = shm_size() if shm is None else shm
-    where = f"/dev/shm ({shm_base()})" if os.environ.get(ENV_SHM) else "/dev/shm"
+    where = f"/dev/shm ({shm_base()})" if contract.EC_SHM.get() else "/dev/shm"
     if text is None or text.strip() in ("", "auto"):
         if avail is None:
             raise ValueError("no MemAvailable in /proc/meminfo to derive the default cap from; "
@@ -215,7 +208,7 @@ def over_cap_message(step: int, node: int, need: dict, cap: int, how: str) -> st
 
 
 def shm_base() -> Path:
-    return Path(os.environ.get(ENV_SHM) or "/dev/shm")
+    return Path(contract.EC_SHM.get() or "/dev/shm")
 
 
 def job_root(job_id: str, base: Path | None = None) -> Path:
@@ -343,8 +336,8 @@ class Group:
         self.world = int(os.environ["WORLD_SIZE"])
         self.node = int(os.environ.get("GROUP_RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        attempt = os.environ.get("JITCKPT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-        job = ec_pack.job_key(os.environ.get("JITCKPT_JOB_ID", "job"))
+        attempt = contract.attempt()
+        job = ec_pack.job_key(contract.JOB_ID.get() or "job")
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         # the attempt in the prefix: the agent's store outlives a round, this group does not
@@ -396,7 +389,7 @@ def ec_group(timeout_s: float) -> Group:
 
 
 def group_timeout() -> float:
-    return max(120.0, 2 * float(os.environ.get("JITCKPT_TIMEOUT") or 120.0))
+    return contract.ec_op_timeout_s(contract.TIMEOUT.get())
 
 
 # -- snapshots (worker side) -----------------------------------------------------------------------------
@@ -481,7 +474,7 @@ class Snapshotter:
         if self._started and not self.disabled:
             self._q.put(None)
             self._thread.join(timeout_s)
-        if os.environ.get("JITCKPT_EC_STATS") and self.rank == 0:
+        if contract.EC_STATS.get() and self.rank == 0:
             print("[jitckpt] EC stats: " + json.dumps(self.stats()), file=sys.stderr, flush=True)
 
     def stats(self) -> dict:
@@ -683,12 +676,12 @@ def _drop_other_versions(job_id: str, d: Path, keep: int) -> None:
 
 def _cap_from_env() -> tuple[int, str]:
     """This node's cap as jitrun resolved it (JITCKPT_EC_MAX_MEM); outside jitrun, the default."""
-    raw = os.environ.get(ENV_MAX_MEM)
+    raw = contract.EC_MAX_MEM.get()
     if raw:
         try:
-            return int(raw), os.environ.get(ENV_MAX_MEM_HOW) or f"{ENV_MAX_MEM}={raw}"
+            return int(raw), contract.EC_MAX_MEM_HOW.get() or f"{contract.EC_MAX_MEM.name}={raw}"
         except ValueError:
-            log(f"{ENV_MAX_MEM}={raw!r} is not a number of bytes; using the default cap")
+            log(f"{contract.EC_MAX_MEM.name}={raw!r} is not a number of bytes; using the default cap")
     try:
         return resolve_max_mem(None)
     except ValueError:
@@ -702,8 +695,8 @@ def install(rt: Runtime) -> Snapshotter | None:
     """Attach snapshots to the runtime when jitrun asked for them (JITCKPT_EC_EVERY > 0); else nothing."""
     global _snapshotter
     try:
-        every = int(os.environ.get(ENV_EVERY) or 0)
-        code = parse_code(os.environ.get(ENV_CODE))
+        every = contract.EC_EVERY.get()
+        code = parse_code(contract.EC_CODE.get())
     except ValueError as e:
         log(f"EC snapshots off: {e}")
         return None

@@ -35,6 +35,7 @@ import sys
 import threading
 from datetime import timedelta
 
+from . import contract
 from .config import shim_preloaded
 from .runtime import Phase, Runtime, find_collective_error, is_collective_error
 
@@ -152,11 +153,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     if not hasattr(dist.Work.wait, "__jitckpt_wrapped__"):
         dist.Work.wait = _wait_guard(rt, dist.Work.wait)
 
-    pg_timeout = rt.cfg.timeout_s
-    if shim_preloaded():
-        # The shim's watchdog must see an NCCL hang first: PyTorch's own NCCL
-        # watchdog tears the process down at the process-group timeout.
-        pg_timeout = 2 * rt.cfg.timeout_s + 30
+    pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded())
     rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
 
     prev_hook = sys.excepthook

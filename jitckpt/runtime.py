@@ -52,8 +52,8 @@ from enum import Enum
 from pathlib import Path
 
 from . import config as _config
+from . import contract, layout
 from . import faults as _faults
-from . import layout
 
 SaveFn = Callable[[str], None]
 
@@ -161,7 +161,7 @@ class Runtime:
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
                     proc_start_t=_process_start_time())
-        if os.environ.get("JITCKPT_MIGRATABLE") == "1":
+        if contract.MIGRATABLE.get():
             from .migrate_worker import Watch
 
             self._migration = Watch(self.reporter._store, self.cfg.token)
@@ -264,7 +264,7 @@ class Runtime:
         if store is not None:  # this rank moved: its new store client
             self.reporter = Reporter(store, self.cfg.token, self.cfg.rank)
         self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
-                    pid=os.getpid(), node=os.environ.get("JITCKPT_NODE"))
+                    pid=os.getpid(), node=contract.NODE.get() or None)
 
     def _migration_ctl(self) -> Path:
         return Path(self.cfg.root or ".") / "migrate" / "ctl"

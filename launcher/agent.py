@@ -27,7 +27,7 @@ import time
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from jitckpt import auth
+from jitckpt import auth, contract
 from jitckpt.report import ReportReader, connect
 
 from . import migrate, rdzv, warm
@@ -60,7 +60,7 @@ class JitAgent(LocalElasticAgent):
         self._round = 0
         self._local_ranks: set[int] = set()
         # what jitrun sets for workers after the warm-start server started
-        self._env_keys: set[str] = {"JITCKPT_RESTORE_STEP", "CUDA_VISIBLE_DEVICES", "JITCKPT_ATTEMPT"}
+        self._env_keys: set[str] = {contract.RESTORE_STEP.name, "CUDA_VISIBLE_DEVICES", contract.ATTEMPT.name}
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
         self._failure: Failure | None = None
@@ -113,7 +113,7 @@ class JitAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         handler = worker_group.spec.rdzv_handler
         self._round = rdzv.job_attempt(handler, worker_group.spec.max_restarts - self._remaining_restarts)
-        os.environ["JITCKPT_ATTEMPT"] = str(self._round)
+        contract.ATTEMPT.set(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
         self._book.new_round(self._round, self._local_ranks)
         if self._pending is not None:

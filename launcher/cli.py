@@ -20,10 +20,9 @@ import time
 import uuid
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt import contract, layout
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
-INTERCEPT_LIB_ENV = "JITCKPT_INTERCEPT_LIB"
 # --jit-ec-every when not given. A snapshot costs about one minibatch of CPU per rank
 # (save_fn into tmpfs, then pack + encode + place on a background thread), so the
 # worst case is ~1/N: scripts/bench_ec.py --overhead measured 1.1 % (CPU) / 1.05 %
@@ -230,14 +229,14 @@ def check_args(args) -> str | None:
            or _check_token(args))
     if err:
         return err
-    env_timeout = os.environ.get("JITCKPT_TIMEOUT")
+    env_timeout = contract.TIMEOUT.raw()
     if args.jit_timeout is None and env_timeout:
         try:
-            bad = _check_seconds("JITCKPT_TIMEOUT", float(env_timeout))
+            bad = _check_seconds(contract.TIMEOUT.name, contract.TIMEOUT.get())
         except ValueError:
             bad = "not a number"
         if bad:
-            return (f"JITCKPT_TIMEOUT={env_timeout!r} in the environment is not a finite number "
+            return (f"{contract.TIMEOUT.name}={env_timeout!r} in the environment is not a finite number "
                     "of seconds > 0; unset it or pass --jit-timeout SECONDS")
     return None
 
@@ -253,7 +252,7 @@ def _check_token(args) -> str | None:
     except (ValueError, RuntimeError):
         max_nodes = 1  # the nnodes check reports it
     try:
-        args.job_token = auth.job_token(os.environ.get("JITCKPT_TOKEN"), 1 if args.standalone else max_nodes)
+        args.job_token = auth.job_token(contract.TOKEN.raw(), 1 if args.standalone else max_nodes)
     except ValueError as e:
         return str(e)
     return None
@@ -263,8 +262,8 @@ def job_id_for(args) -> str:
     """Stable identity of a job: the rendezvous id when given, else the command.
     Re-running the same command resumes from its jit dir; a different job
     pointed at the same dir is refused."""
-    if os.environ.get("JITCKPT_JOB_ID"):
-        return os.environ["JITCKPT_JOB_ID"]
+    if contract.JOB_ID.get():
+        return contract.JOB_ID.get()
     if args.rdzv_id and args.rdzv_id != "none":
         return args.rdzv_id
     ident = "\0".join([os.path.abspath(args.training_script), *args.training_script_args])
@@ -272,7 +271,7 @@ def job_id_for(args) -> str:
 
 
 def _intercept_lib() -> str | None:
-    cand = os.environ.get(INTERCEPT_LIB_ENV) or str(
+    cand = contract.INTERCEPT_LIB.get() or str(
         Path(__file__).resolve().parent.parent / "build" / "libjitintercept.so")
     return cand if os.path.isfile(cand) else None
 
@@ -350,27 +349,27 @@ def run(args) -> int:
             free_at_end(job_id)
             print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
                   f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
-    timeout = args.jit_timeout or float(os.environ.get("JITCKPT_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    timeout = args.jit_timeout or contract.TIMEOUT.get()
     token = args.job_token  # checked by check_args
-    os.environ.update({"JITCKPT_DIR": str(root), "JITCKPT_JOB_ID": job_id,
-                       "JITCKPT_TOKEN": token, "JITCKPT_TIMEOUT": str(timeout)})
-    os.environ.pop("JITCKPT_RESTORE_STEP", None)
+    contract.DIR.set(root)
+    contract.JOB_ID.set(job_id)
+    contract.TOKEN.set(token)
+    contract.TIMEOUT.set(timeout)
+    for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP):
+        var.unset()
     # EC snapshots: workers read these; 0 = off, nothing of it runs
-    os.environ.update({"JITCKPT_EC_EVERY": str(getattr(args, "jit_ec_every", 0)),
-                       "JITCKPT_EC_CODE": getattr(args, "jit_ec_code", "auto")})
+    contract.EC_EVERY.set(getattr(args, "jit_ec_every", 0))
+    contract.EC_CODE.set(getattr(args, "jit_ec_code", "auto"))
     if getattr(args, "jit_ec_every", 0):
-        from jitckpt import ec_snapshot
-
         cap, how = args.ec_cap  # resolved by check_args
-        os.environ.update({ec_snapshot.ENV_MAX_MEM: str(cap), ec_snapshot.ENV_MAX_MEM_HOW: how})
-    for k in ("JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"):
-        os.environ.pop(k, None)
+        contract.EC_MAX_MEM.set(cap)
+        contract.EC_MAX_MEM_HOW.set(how)
     intercept = _want_intercept(args.jit_intercept)
     if intercept:
         lib = _intercept_lib()
         if lib is None:
             print("jitrun: warning: libjitintercept.so not found (run `make build` or set "
-                  f"{INTERCEPT_LIB_ENV}); NCCL hangs are then detected by the process group "
+                  f"{contract.INTERCEPT_LIB.name}); NCCL hangs are then detected by the process group "
                   "timeout only", file=sys.stderr)
         else:
             os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
@@ -379,8 +378,8 @@ def run(args) -> int:
             # the hang handler) or to an exit 75 for a restart (any program).
             from .shim_events import SHIM_EVENTS
 
-            os.environ.setdefault("JITCKPT_ON_HANG", "recover")
-            os.environ.setdefault("JITCKPT_SHIM_EVENTS", str(root / SHIM_EVENTS))
+            contract.ON_HANG.setdefault("recover")
+            contract.SHIM_EVENTS.setdefault(root / SHIM_EVENTS)
 
     # torchrun's own defaulting (torch.distributed.run.run)
     if args.standalone:
@@ -398,7 +397,7 @@ def run(args) -> int:
 
     config, cmd, cmd_args = config_from_args(args)
     migratable = getattr(args, "jit_migratable", "off") == "on"
-    os.environ.pop("JITCKPT_MIGRATABLE", None)
+    contract.MIGRATABLE.unset()
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
         pypath = str(Path(__file__).resolve().parent.parent)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
@@ -426,16 +425,16 @@ def run(args) -> int:
     if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migrate.py
         from . import migrate
 
-        os.environ[migrate.ENV] = "1"
-        os.environ[migrate.NO_PAUSE_ENV] = "1" if args.no_python else "0"
+        contract.MIGRATABLE.set(1)
+        contract.MIGRATE_NO_PAUSE.set(1 if args.no_python else 0)
         cmd, cmd_args = migrate.wrap(cmd, cmd_args)
         if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
             # a sticky device error parks the process for a move to a new device
             # (launcher/migration/device_loss.py) instead of ending it
             from .migration import device_loss
 
-            os.environ.setdefault("JITCKPT_ON_DEVICE_LOSS", "migrate")
-            os.environ.setdefault(device_loss.DIR_ENV, str(device_loss.control_dir(root)))
+            contract.ON_DEVICE_LOSS.setdefault("migrate")
+            contract.DEVICE_DIR.setdefault(device_loss.control_dir(root))
 
     from .launch import launch
 

@@ -36,9 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt import contract, layout
 
-CRIU_ENV = "JITCKPT_CRIU"
 VERSION = "4.1.1"
 MANIFEST = "jitckpt-manifest.json"
 DUMP_LOG = "criu-dump.log"
@@ -63,15 +62,15 @@ class ImageCorrupt(CriuError):
 
 def cache_dir() -> Path:
     """Per-machine build cache of scripts/build_criu.sh."""
-    env = os.environ.get("JITCKPT_CRIU_CACHE")
+    env = contract.CRIU_CACHE.get()
     return Path(env) if env else Path.home() / ".cache" / "jitckpt" / f"criu-{VERSION}"
 
 
 def candidates() -> list[tuple[str, str]]:
     """(where it came from, path) in search order."""
     out: list[tuple[str, str]] = []
-    if os.environ.get(CRIU_ENV):
-        out.append((f"${CRIU_ENV}", os.environ[CRIU_ENV]))
+    if contract.CRIU.get():
+        out.append((f"${contract.CRIU.name}", contract.CRIU.get()))
     out.append(("build/criu/criu", str(_REPO / "build" / "criu" / "criu")))
     out.append(("cache", str(cache_dir() / "criu")))
     path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -84,10 +83,10 @@ def candidates() -> list[tuple[str, str]]:
 def find_criu() -> str:
     """Path of the criu binary to use; CriuNotFound saying where it looked and what to do."""
     cands = candidates()
-    env = os.environ.get(CRIU_ENV)
+    env = contract.CRIU.get()
     if env and not (os.path.isfile(env) and os.access(env, os.X_OK)):
         # An explicit choice that is wrong must not silently fall back to another binary.
-        raise CriuNotFound(f"{CRIU_ENV}={env} is not an executable file; fix or unset it ({PROVISION_HINT})")
+        raise CriuNotFound(f"{contract.CRIU.name}={env} is not an executable file; fix or unset it ({PROVISION_HINT})")
     for _, p in cands:
         if os.path.isfile(p) and os.access(p, os.X_OK):
             return p
@@ -522,14 +521,13 @@ if __name__ == "__main__":
 
 
 # Test hook of the migration paths: break a dump to prove the fallback.
-FAULT_ENV = "JITCKPT_TEST_MIGRATE_FAULT"  # kill-criu | corrupt-image
 
 
 def dump_with_test_faults(pid: int, images: Path, **kw) -> DumpResult:
     """``criu.dump``, broken as ``JITCKPT_TEST_MIGRATE_FAULT`` says (tests prove the
     fallbacks with it): ``kill-criu`` (the dumper dies mid-dump) or ``corrupt-image``
     (one page of the images flipped after a good dump)."""
-    fault = os.environ.get(FAULT_ENV, "")
+    fault = contract.TEST_MIGRATE_FAULT.get()
     if fault == "kill-criu":
         # CRIU killed mid-dump: the dumper is SIGKILLed by its own parent shell
         script = _kill_criu_script(images.parent)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import auth, layout
+from jitckpt import auth, contract, layout
 
 
 @dataclass(frozen=True)
@@ -333,12 +333,12 @@ def ec_env(d: Decision, env) -> None:
     JITCKPT_RESTORE_SOURCE=ec and, if the decode fails job-wide, JITCKPT_EC_FALLBACK_STEP (the replica
     step, fetched to this node as for any restore, or "none"). Cleared for any other source."""
     if d.source == "ec" and d.ec_step is not None:
-        env["JITCKPT_EC_FALLBACK_STEP"] = "none" if d.step is None else str(d.step)
-        env["JITCKPT_RESTORE_STEP"] = str(d.ec_step)
-        env["JITCKPT_RESTORE_SOURCE"] = "ec"
+        contract.EC_FALLBACK_STEP.set("none" if d.step is None else d.step, env)
+        contract.RESTORE_STEP.set(d.ec_step, env)
+        contract.RESTORE_SOURCE.set("ec", env)
     else:
-        env.pop("JITCKPT_RESTORE_SOURCE", None)
-        env.pop("JITCKPT_EC_FALLBACK_STEP", None)
+        contract.RESTORE_SOURCE.unset(env)
+        contract.EC_FALLBACK_STEP.unset(env)
 
 
 def source_event(d: Decision, progress: int = -1) -> dict:

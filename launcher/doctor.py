@@ -21,10 +21,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from jitckpt import contract
+
 from . import criu
 
 _REPO = Path(__file__).resolve().parent.parent
-INTERCEPT_LIB_ENV = "JITCKPT_INTERCEPT_LIB"  # as in cli.py (the shim jitrun preloads)
 
 
 @dataclass
@@ -114,7 +115,7 @@ def check_netns() -> Result:
 def shim_path() -> Path:
     """The shim jitrun preloads: $JITCKPT_INTERCEPT_LIB, else build/libjitintercept.so
     (as cli._intercept_lib; the shim tests use $JITCKPT_SHIM or the same build path)."""
-    env = os.environ.get(INTERCEPT_LIB_ENV)
+    env = contract.INTERCEPT_LIB.get()
     return Path(env) if env else _REPO / "build" / "libjitintercept.so"
 
 
@@ -122,7 +123,7 @@ def check_shim() -> Result:
     lib = shim_path()
     if not lib.is_file():
         return Result("shim", False, f"{lib} not found; run `make build` (needs a C toolchain)"
-                      + (f" or fix {INTERCEPT_LIB_ENV}" if os.environ.get(INTERCEPT_LIB_ENV) else ""))
+                      + (f" or fix {contract.INTERCEPT_LIB.name}" if contract.INTERCEPT_LIB.get() else ""))
     true = _tool("true") or "/bin/true"
     # Preload it into a trivial program, as jitrun does into workers: ld.so reports why it cannot.
     cp = subprocess.run([true], env={**os.environ, "LD_PRELOAD": str(lib)}, capture_output=True, text=True)

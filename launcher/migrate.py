@@ -21,21 +21,21 @@ import sys
 import time
 from pathlib import Path
 
-ENV = "JITCKPT_MIGRATABLE"
+from jitckpt import contract
+
 OUT_TEMPLATE = "{JITCKPT_DIR}/migrate/out/rank{RANK}.a{TORCHELASTIC_RESTART_COUNT}.log"
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    return contract.MIGRATABLE.get()
 
 
 # A --no-python program has no jitckpt runtime, so no minibatch start to pause at:
 # only the shim's lost-device move (launcher/migration/device_loss.py) applies to it.
-NO_PAUSE_ENV = "JITRUN_MIGRATE_NO_PAUSE"
 
 
 def pausable() -> bool:
-    return os.environ.get(NO_PAUSE_ENV) != "1"
+    return not contract.MIGRATE_NO_PAUSE.get()
 
 
 def wrap(cmd: str, cmd_args: list[str]) -> tuple[str, list[str]]:
@@ -54,7 +54,8 @@ def record_workers(agent, worker_group) -> dict:
     """After the agent started this attempt's workers: write where.json."""
     from . import criu
 
-    root = Path(os.environ["JITCKPT_DIR"])
+    root = contract.DIR.get()
+    assert root is not None, "jitrun sets the jit dir before starting workers"
     ranks = {}
     for rank, p in agent._procs(worker_group).items():
         try:
@@ -63,7 +64,7 @@ def record_workers(agent, worker_group) -> dict:
             print(f"jitrun: rank {rank} is not migratable: {e}", file=sys.stderr, flush=True)
             pid = None
         attempt = worker_group.spec.max_restarts - getattr(agent, "_remaining_restarts", worker_group.spec.max_restarts)
-        env = {"JITCKPT_DIR": str(root), "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}
+        env = {contract.DIR.name: str(root), "RANK": rank, "TORCHELASTIC_RESTART_COUNT": attempt}
         ranks[str(rank)] = {"node": agent._node.node_id, "addr": agent._node.addr, "host": agent._node.host,
                             "wrapper_pid": p.pid, "pid": pid, "output": OUT_TEMPLATE.format_map(env)}
     doc = {"t": time.time(), "ranks": ranks}

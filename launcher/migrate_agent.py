@@ -54,18 +54,17 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import auth, layout, migrate_worker
+from jitckpt import auth, contract, layout, migrate_worker
 
 from . import criu, migrate, peer_files, transfer
 from .events import EventLog
 from .migration import device_loss
 
 PAUSED_TIMEOUT_S = 60.0
-TIMEOUT_ENV = "JITCKPT_MIGRATE_TIMEOUT"  # seconds for the transfer and the restore (default 120)
 
 
 def restore_timeout_s() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, "120"))
+    return contract.MIGRATE_TIMEOUT.get()
 
 
 class MigrationError(RuntimeError):
@@ -439,7 +438,7 @@ class Target:
             layout.makedirs_private(here)
             device_loss.answer(here, device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()), str(dev["uuid"]))
         else:
-            env = {"JITCKPT_NODE": self._node}
+            env = {contract.NODE.name: self._node}
             for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
                 if k in os.environ:
                     env[k] = os.environ[k]

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from jitckpt import auth, layout
+from jitckpt import auth, contract, layout
 
 from . import peer_files
 
@@ -52,7 +52,6 @@ CHUNK = 4 << 20
 WINDOW = 4
 # Test hook: a node whose agent has this set corrupts what it serves (proves
 # that a corrupted transfer is detected and retried from another source).
-CORRUPT_ENV = "JITCKPT_TEST_CORRUPT_TRANSFER"
 
 
 class TransferError(RuntimeError):
@@ -96,7 +95,7 @@ class ReplicaServer:
         self._node = node_id
         self._root = root
         self._job = job_id
-        self._corrupt = bool(os.environ.get(CORRUPT_ENV))
+        self._corrupt = contract.TEST_CORRUPT_TRANSFER.get()
         self._stopping = False
         self._seq = 1
         self.served = 0

@@ -26,6 +26,8 @@ import pytest
 from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
+from jitckpt import contract
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150  # 20 ms each: the dump must land mid-run even on a loaded machine
 
@@ -206,12 +208,12 @@ def test_failed_dump_shows_the_log_tail_and_what_to_do(criu_bin, procs, tmp_path
 
 
 def test_missing_criu_says_how_to_get_it(monkeypatch, tmp_path):
-    monkeypatch.setenv(criu.CRIU_ENV, str(tmp_path / "no-such-criu"))
+    monkeypatch.setenv(contract.CRIU.name, str(tmp_path / "no-such-criu"))
     with pytest.raises(criu.CriuNotFound, match=r"JITCKPT_CRIU=.*no-such-criu is not an executable.*make criu"):
         criu.find_criu()
     with pytest.raises(criu.CriuNotFound):
         criu.dump(1, tmp_path / "images")
-    monkeypatch.delenv(criu.CRIU_ENV)
+    monkeypatch.delenv(contract.CRIU.name)
     monkeypatch.setattr(criu, "_REPO", tmp_path)  # no build/criu/criu
     monkeypatch.setenv("JITCKPT_CRIU_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -250,7 +252,7 @@ def test_dump_on_one_node_restores_on_another(criu_bin, tmp_path):
         (share / "restore.py").write_text(CRIU_RESTORE_ON_NODE)
         out = share / "out.txt"
         priv0, priv1 = str(tmp_path / "node0"), str(tmp_path / "node1")
-        env = {"PYTHONPATH": str(ROOT), criu.CRIU_ENV: criu_bin}
+        env = {"PYTHONPATH": str(ROOT), contract.CRIU.name: criu_bin}
         dumper = c.nodes[0].run([sys.executable, str(share / "dump.py"), str(worker), str(out), priv0 + "/images"],
                                 name="dump", env=env, private_dirs=(priv0,))
         restorer = c.nodes[1].run([sys.executable, str(share / "restore.py"), priv1 + "/images"],

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 from jitrun import decide, netconf, transfer
 
-from jitckpt import layout
+from jitckpt import contract, layout
 from jitckpt.consistency import FRESH, StateDivergence, check_loaded
 
 
@@ -145,9 +145,9 @@ def test_transfer_detects_corruption_and_uses_the_next_source(tmp_path, tcp_stor
     msha_a = layout.sha256_file(_replica(a_root, 3, 0, payload) / layout.MANIFEST)
     msha_b = layout.sha256_file(_replica(b_root, 3, 1, payload) / layout.MANIFEST)
     client = dist.TCPStore("127.0.0.1", tcp_store.port, is_master=False, wait_for_workers=False)
-    monkeypatch.setenv(transfer.CORRUPT_ENV, "1")
+    monkeypatch.setenv(contract.TEST_CORRUPT_TRANSFER.name, "1")
     bad_server = transfer.ReplicaServer(client, "tok", "A", a_root, "j").start()
-    monkeypatch.delenv(transfer.CORRUPT_ENV)
+    monkeypatch.delenv(contract.TEST_CORRUPT_TRANSFER.name)
     good_server = transfer.ReplicaServer(client, "tok", "B", b_root, "j").start()
     sources = [{"node_id": "A", "rank": 0, "manifest_sha256": msha_a},
                {"node_id": "B", "rank": 1, "manifest_sha256": msha_b}]

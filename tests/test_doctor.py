@@ -14,6 +14,8 @@ import pytest
 from jitrun import criu, doctor
 from netns import Cluster
 
+from jitckpt import contract
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -51,7 +53,7 @@ def test_each_line_is_right_for_this_machine():
         "criu": _criu_works(),
         "netns": Cluster.unavailable() is None,
         "shim": (ROOT / "build" / "libjitintercept.so").is_file()
-                if not os.environ.get(doctor.INTERCEPT_LIB_ENV) else None,
+                if not os.environ.get(contract.INTERCEPT_LIB.name) else None,
         "isa-l": _isal_loads(),
     }
     for name, ok in expect.items():
@@ -88,11 +90,11 @@ def test_forced_failures_say_what_to_do(monkeypatch, tmp_path, capsys):
     # criu nowhere: not in the repo's build/, not cached, not on PATH
     monkeypatch.setattr(criu, "_REPO", tmp_path)
     monkeypatch.setenv("JITCKPT_CRIU_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(criu.CRIU_ENV, raising=False)
+    monkeypatch.delenv(contract.CRIU.name, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     if any(Path(d, "criu").exists() for d in ("/usr/sbin", "/sbin")):
         pytest.skip("a system criu is installed in /usr/sbin or /sbin")
-    monkeypatch.setenv(doctor.INTERCEPT_LIB_ENV, str(tmp_path / "libjitintercept.so"))
+    monkeypatch.setenv(contract.INTERCEPT_LIB.name, str(tmp_path / "libjitintercept.so"))
 
     def no_isal(name, *a, **k):
         raise OSError(f"{name}: cannot open shared object file")
@@ -110,7 +112,7 @@ def test_forced_failures_say_what_to_do(monkeypatch, tmp_path, capsys):
 def test_bad_criu_override_and_bad_shim_in_a_real_run(tmp_path):
     bogus = tmp_path / "libjitintercept.so"
     bogus.write_bytes(b"not an ELF file")
-    rc, lines = _doctor({criu.CRIU_ENV: str(tmp_path / "criu"), doctor.INTERCEPT_LIB_ENV: str(bogus)})
+    rc, lines = _doctor({contract.CRIU.name: str(tmp_path / "criu"), contract.INTERCEPT_LIB.name: str(bogus)})
     assert rc == 1
     assert lines["criu"].startswith("FAIL") and "fix or unset it" in lines["criu"]
     assert lines["shim"].startswith("FAIL") and "does not preload" in lines["shim"] and "make build" in lines["shim"]

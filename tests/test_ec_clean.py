@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import ec_pack, ec_snapshot, layout
+from jitckpt import contract, ec_pack, ec_snapshot, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def _clean(*argv: str) -> tuple[int, str, str]:
 def shm(tmp_path, monkeypatch):
     d = tmp_path / "shm"
     d.mkdir(mode=0o700)
-    monkeypatch.setenv(ec_snapshot.ENV_SHM, str(d))
+    monkeypatch.setenv(contract.EC_SHM.name, str(d))
     return d
 
 
@@ -161,12 +161,12 @@ def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, 
     _commit(shm, "jobA", 8)
     # job B looks in its own directory: nothing
     assert ec_snapshot.scan_node("jobB", shm) == {"chunks": [], "commits": []}
-    monkey = {ec_snapshot.ENV_EVERY: "4"}
+    monkey = {contract.EC_EVERY.name: "4"}
     os.environ.update(monkey)
     try:
         inv = decide.inventory(tmp_path / "jitB", "jobB", decide.NodeInfo("n", "h", "a"))
     finally:
-        os.environ.pop(ec_snapshot.ENV_EVERY)
+        os.environ.pop(contract.EC_EVERY.name)
     assert inv["ec"] == {"chunks": [], "commits": []}
     # even A's files copied into B's directory and renamed to B's names: the commit record names job A (not
     # listed), and every chunk header does too (refused when read)

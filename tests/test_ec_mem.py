@@ -19,7 +19,7 @@ import pytest
 import test_ec_snapshot as snap_t
 from test_ec_snapshot import JOB, node_dir, scan
 
-from jitckpt import ec_pack, ec_snapshot
+from jitckpt import contract, ec_pack, ec_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 cluster = snap_t.cluster  # the fixture: a TCPStore master and one directory per "node", shared
@@ -146,8 +146,8 @@ def _run(c, node_of, caps, steps=6, every=2):
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(c["port"]), "JITCKPT_DIR": str(c["tmp"] / f"jit{n}"),
              "JITCKPT_JOB_ID": JOB, "JITCKPT_TOKEN": "t" * 32, "JITCKPT_ATTEMPT": "0",
              "JITCKPT_EC_SHM": str(node_dir(c, n)), "OMP_NUM_THREADS": "1", "JITCKPT_TIMEOUT": "20",
-             "PYTHONPATH": str(ROOT), ec_snapshot.ENV_MAX_MEM: str(caps[n]),
-             ec_snapshot.ENV_MAX_MEM_HOW: f"--jit-ec-max-mem {caps[n]}"}
+             "PYTHONPATH": str(ROOT), contract.EC_MAX_MEM.name: str(caps[n]),
+             contract.EC_MAX_MEM_HOW.name: f"--jit-ec-max-mem {caps[n]}"}
         os.makedirs(e["JITCKPT_DIR"], exist_ok=True, mode=0o700)
         os.makedirs(node_dir(c, n), exist_ok=True, mode=0o700)
         procs.append(subprocess.Popen([sys.executable, snap_t.__file__, "snap", str(steps), str(every)], env=e,

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt import ec_pack, ec_snapshot  # noqa: E402
+from jitckpt import contract, ec_pack, ec_snapshot  # noqa: E402
 
 
 def _content(rank: int, step: int) -> dict[str, bytes]:
@@ -59,7 +59,7 @@ def worker_snap(steps: int, every: int) -> None:
                 f.write(data)
 
     rt.save_fn = save_fn
-    os.environ[ec_snapshot.ENV_EVERY] = str(every)  # as jitrun --jit-ec-every passes it
+    os.environ[contract.EC_EVERY.name] = str(every)  # as jitrun --jit-ec-every passes it
     snap = ec_snapshot.install(rt)
     assert snap is not None and rt.on_snapshot is not None
     for step in range(1, steps + 1):
@@ -371,12 +371,12 @@ def test_decision_order_replica_ec_persistent_fresh():
 def test_inventory_lists_ec_only_when_enabled(tmp_path, monkeypatch):
     from jitrun import decide
 
-    monkeypatch.setenv(ec_snapshot.ENV_SHM, str(tmp_path))
+    monkeypatch.setenv(contract.EC_SHM.name, str(tmp_path))
     ec_pack.write_chunk(ec_snapshot.ec_dir(JOB, tmp_path), ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)
     node = decide.NodeInfo("n", "h", "a")
-    monkeypatch.setenv(ec_snapshot.ENV_EVERY, "0")
+    monkeypatch.setenv(contract.EC_EVERY.name, "0")
     assert "ec" not in decide.inventory(tmp_path / "jit", JOB, node)
-    monkeypatch.setenv(ec_snapshot.ENV_EVERY, "4")
+    monkeypatch.setenv(contract.EC_EVERY.name, "4")
     assert decide.inventory(tmp_path / "jit", JOB, node)["ec"]["chunks"][0][:4] == [3, 0, 0, 1]
 
 

@@ -27,6 +27,8 @@ import pytest
 from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
+from jitckpt import contract
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
 PAUSE_AT = 12
@@ -253,7 +255,7 @@ def test_gloo_rank_migrates_to_another_node(criu_bin, local, tmp_path):
         ctl = share / "ctl"
         ctl.mkdir()
         host = c.nodes[0].addr
-        env = {"PYTHONPATH": str(ROOT), criu.CRIU_ENV: criu_bin, "GLOO_SOCKET_IFNAME": "eth0",
+        env = {"PYTHONPATH": str(ROOT), contract.CRIU.name: criu_bin, "GLOO_SOCKET_IFNAME": "eth0",
                "OMP_NUM_THREADS": "1"}
         store = c.nodes[0].run([sys.executable, str(share / "store.py"), host, str(port)], name="store", env=env)
         wait_for_line(store, "STORE", 60)

@@ -27,7 +27,7 @@ from conftest import TRAIN, assert_same_state, run_tree
 from jitrun import decide, migrate, migrate_agent, transfer
 from jitrun.events import EventLog
 
-from jitckpt import auth, consistency, ec_snapshot, layout, migrate_worker
+from jitckpt import auth, consistency, contract, ec_snapshot, layout, migrate_worker
 from jitckpt.report import Reporter, ReportReader
 
 TOKEN = "sec-test-token-0123456789abcdef"
@@ -410,7 +410,7 @@ def test_migration_target_takes_the_mode_of_its_own_and_refuses_a_requested_one(
 def test_foreign_owned_shm_job_dir_is_refused(tmp_path, monkeypatch):
     base = tmp_path / "shm"
     base.mkdir()
-    monkeypatch.setenv(ec_snapshot.ENV_SHM, str(base))
+    monkeypatch.setenv(contract.EC_SHM.name, str(base))
     d = ec_snapshot.job_root("secjob")
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)

@@ -11,11 +11,13 @@ import sys
 
 
 def _attach() -> None:
-    if os.environ.get("JITCKPT_DIR") is None or os.environ.get("RANK") is None:
+    if os.environ.get("RANK") is None:
         return
     try:
-        from jitckpt import _bootstrap
+        from jitckpt import _bootstrap, contract
     except ImportError:  # a Python without jitckpt (and torch): nothing to attach
+        return
+    if contract.DIR.get() is None:
         return
     try:
         _bootstrap.attach()

@@ -15,12 +15,12 @@ agent's callback only hands the list to its main thread and wakes it).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-LIB_ENV = "JITCKPT_NVML_LIB"
+from jitckpt import contract
+
 # XIDs after which a device should not be trusted with a job (NVIDIA's XID catalogue):
 # 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92 high
 # single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
@@ -44,7 +44,7 @@ def _nvml():
         import pynvml
     except ImportError:
         return None
-    lib = os.environ.get(LIB_ENV)
+    lib = contract.NVML_LIB.get()
     try:
         with _lock:
             if lib:

@@ -49,6 +49,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from jitckpt import contract
+
 from . import slurm
 
 
@@ -194,4 +196,4 @@ def _place_slurm(failure: dict) -> Placement:
         _warn(f"no spare node for {len(lost) - len(started)} of {len(lost)} lost node(s) in allocation "
               f"{os.environ.get('SLURM_JOB_ID')}; restarting anyway, the job waits for a replacement agent "
               "to join (start one by hand with srun, or grow the allocation)")
-    return Placement(env={"JITCKPT_SLURM_SPARE": ",".join(started)} if started else {})
+    return Placement(env={contract.SLURM_SPARE.name: ",".join(started)} if started else {})

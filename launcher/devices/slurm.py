@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from jitckpt import contract
+
 # Node state flags (``scontrol show node`` State=BASE+FLAG+...) that make a node
 # unfit to host a replacement agent.
 BAD_STATES = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
@@ -135,9 +137,9 @@ def spare_nodes(in_use: Iterable[str] = (), lost: Iterable[str] = ()) -> list[st
 
 
 def _log_path(node: str) -> Path:
-    if os.environ.get("JITCKPT_SLURM_LOG"):
-        return Path(os.environ["JITCKPT_SLURM_LOG"])
-    root = os.environ.get("JITCKPT_DIR") or tempfile.gettempdir()
+    if contract.SLURM_LOG.get():
+        return Path(contract.SLURM_LOG.get())
+    root = contract.DIR.get() or tempfile.gettempdir()
     return Path(root) / f"slurm-replacement-{node}.log"
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+from jitckpt import contract
+
 from .. import criu, migrate, migrate_agent
 from ..migration import device_loss
 from ..workers import Proc, Whereabouts, alive
@@ -45,9 +47,8 @@ class DeviceWatch:
         self.bad: set[str] = set()  # left out of CUDA_VISIBLE_DEVICES at the next start
         self._monitor: health.HealthMonitor | None = None
         self._nvml_count = 0
-        dd = os.environ.get(device_loss.DIR_ENV)
-        self._device_dir: Path | None = Path(dd) if dd and os.environ.get("JITCKPT_ON_DEVICE_LOSS") == "migrate" \
-            else None
+        dd = contract.DEVICE_DIR.get()
+        self._device_dir: Path | None = Path(dd) if dd and contract.ON_DEVICE_LOSS.get() == "migrate" else None
         self._device_dir_warned = False
 
     def names(self, wg: WorkerGroup) -> list[str]:

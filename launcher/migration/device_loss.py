@@ -40,7 +40,6 @@ from .. import criu
 
 LOST = "device-lost-{rank}-{epoch}.json"
 RESUME = "device-resume-{rank}-{epoch}.json"
-DIR_ENV = "JITCKPT_DEVICE_DIR"
 
 
 def control_dir(root: str | os.PathLike) -> Path:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from jitckpt import layout
+from jitckpt import contract, layout
 
 from .. import decide, transfer
 from .episode import Failure
@@ -67,10 +67,10 @@ class Restorer:
         if d is None:
             return
         self.decision = d
-        os.environ["JITCKPT_RESTORE_STEP"] = "none" if d.step is None else str(d.step)
+        contract.RESTORE_STEP.set("none" if d.step is None else d.step)
         # an EC version was chosen: the workers decode it, d.step stays their fallback
         decide.ec_env(d, os.environ)
-        self._env_keys |= {"JITCKPT_RESTORE_SOURCE", "JITCKPT_EC_FALLBACK_STEP"}
+        self._env_keys |= {contract.RESTORE_SOURCE.name, contract.EC_FALLBACK_STEP.name}
         if d.step is None:
             return
         need = sorted({d.shard_of_rank.get(str(r)) for r in local_ranks} - {None}) or d.shards
@@ -127,7 +127,7 @@ class Restorer:
                 step = d.ec_step
         self._announce(f, step, jit_steps, bool(shards))
         f.restore_step = step
-        os.environ["JITCKPT_RESTORE_STEP"] = "none" if step is None else str(step)
+        contract.RESTORE_STEP.set("none" if step is None else step)
         return False, abort
 
     def _announce(self, f: Failure, step: int | None, jit_steps: set[int], registered: bool) -> None:

@@ -1,0 +1,123 @@
+"""What jitrun tells its workers, and what operators and tests tell jitrun:
+every ``JITCKPT_*`` environment variable, with its type, default and
+meaning. Both sides read and write them only through this module (a
+``Var``'s ``get``/``set``), so a name, a default or a parse lives in one
+place. The shim (libintercept) reads JITCKPT_TIMEOUT, JITCKPT_ON_HANG,
+JITCKPT_ON_DEVICE_LOSS, JITCKPT_DEVICE_DIR, JITCKPT_SHIM_EVENTS and
+JITCKPT_RECOVER_TIMEOUT in C with the same meanings.
+
+The one timeout rule: ``TIMEOUT`` is the seconds a collective may hang
+before the healthy ranks save (``--jit-timeout``); every other bound that
+depends on it is derived from it here (``ec_op_timeout_s``,
+``pg_timeout_s``), never re-read with a default of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+Env = MutableMapping[str, str]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def _env(env: Env | None) -> Env:
+    return os.environ if env is None else env
+
+
+def _flag(raw: str) -> bool:
+    return raw not in ("", "0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Var(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    meaning: str
+
+    def get(self, env: Env | None = None) -> T:
+        """The value, or the default when unset or empty (a malformed value raises ValueError)."""
+        raw = _env(env).get(self.name)
+        return self.default if raw is None or raw == "" else self.parse(raw)
+
+    def raw(self, env: Env | None = None) -> str | None:
+        return _env(env).get(self.name)
+
+    def set(self, value: object, env: Env | None = None) -> None:
+        _env(env)[self.name] = str(value)
+
+    def setdefault(self, value: object, env: Env | None = None) -> None:
+        _env(env).setdefault(self.name, str(value))
+
+    def unset(self, env: Env | None = None) -> str | None:
+        return _env(env).pop(self.name, None)
+
+
+def _path(raw: str) -> Path:
+    return Path(raw)
+
+
+# -- launcher -> worker ----------------------------------------------------------------------------
+DIR = Var[Path | None]("JITCKPT_DIR", _path, None, "the job's jit dir on this node; set only under jitrun")
+JOB_ID = Var("JITCKPT_JOB_ID", str, "", "the job's identity (the rendezvous id, else a hash of the command)")
+TOKEN = Var("JITCKPT_TOKEN", str, "", "the job's secret: key names and seals of every record in the store")
+TIMEOUT = Var("JITCKPT_TIMEOUT", float, DEFAULT_TIMEOUT_S, "seconds a collective may hang before ranks save")
+ATTEMPT = Var("JITCKPT_ATTEMPT", int, 0, "job-wide attempt (rendezvous round, or the static group's restarts)")
+RESTORE_STEP = Var("JITCKPT_RESTORE_STEP", str, "", "the step the job restores: a number, 'none', or unset")
+RESTORE_SOURCE = Var("JITCKPT_RESTORE_SOURCE", str, "", "'ec': decode RESTORE_STEP from EC chunks first")
+EC_FALLBACK_STEP = Var("JITCKPT_EC_FALLBACK_STEP", str, "none", "what to load if the EC decode fails job-wide")
+EC_EVERY = Var("JITCKPT_EC_EVERY", int, 0, "an EC snapshot every N minibatches (0: off)")
+EC_CODE = Var("JITCKPT_EC_CODE", str, "auto", "'K+M' or 'auto' (from the node count)")
+EC_SHM = Var("JITCKPT_EC_SHM", str, "", "base directory of EC chunks instead of /dev/shm (tests: nodes on one host)")
+EC_MAX_MEM = Var("JITCKPT_EC_MAX_MEM", str, "", "bytes of /dev/shm this job's EC files may use on this node")
+EC_MAX_MEM_HOW = Var("JITCKPT_EC_MAX_MEM_HOW", str, "", "where that cap came from, for messages")
+EC_STATS = Var("JITCKPT_EC_STATS", _flag, False, "rank 0 prints per-snapshot timings")
+FAULT = Var("JITCKPT_FAULT", str, "", "fault injection (jitckpt/faults.py's language)")
+MIGRATABLE = Var("JITCKPT_MIGRATABLE", _flag, False, "workers run under --jit-migratable on")
+MIGRATE_NO_PAUSE = Var("JITRUN_MIGRATE_NO_PAUSE", _flag, False, "migratable workers cannot pause (--no-python)")
+NODE = Var("JITCKPT_NODE", str, "", "a migrated worker's new node (set by the target agent)")
+ON_HANG = Var("JITCKPT_ON_HANG", str, "", "the shim's answer to a hung collective ('recover')")
+ON_DEVICE_LOSS = Var("JITCKPT_ON_DEVICE_LOSS", str, "", "the shim's answer to a lost device ('migrate')")
+DEVICE_DIR = Var("JITCKPT_DEVICE_DIR", str, "", "where parked workers ask their agent for a new device")
+SHIM_EVENTS = Var("JITCKPT_SHIM_EVENTS", str, "", "the shim's event log")
+SLURM_SPARE = Var("JITCKPT_SLURM_SPARE", str, "", "spare nodes the Slurm hook started, for the workers")
+
+# -- operator / test -> jitrun ---------------------------------------------------------------------
+INTERCEPT_LIB = Var("JITCKPT_INTERCEPT_LIB", str, "", "the shim jitrun preloads (default build/libjitintercept.so)")
+NVML_LIB = Var("JITCKPT_NVML_LIB", str, "", "libnvidia-ml to load instead of the system's")
+CRIU = Var("JITCKPT_CRIU", str, "", "the criu binary to use")
+CRIU_CACHE = Var("JITCKPT_CRIU_CACHE", str, "", "where scripts/build_criu.sh keeps its build")
+MIGRATE_TIMEOUT = Var("JITCKPT_MIGRATE_TIMEOUT", float, 120.0, "seconds for a migration's transfer and restore")
+SLURM_LOG = Var("JITCKPT_SLURM_LOG", str, "", "the Slurm hook's log file")
+TEST_MIGRATE_FAULT = Var("JITCKPT_TEST_MIGRATE_FAULT", str, "", "tests: break a dump (kill-criu | corrupt-image)")
+TEST_CORRUPT_TRANSFER = Var("JITCKPT_TEST_CORRUPT_TRANSFER", _flag, False, "tests: serve corrupted replicas")
+
+VARS: tuple[Var[Any], ...] = tuple(v for v in globals().values() if isinstance(v, Var))
+
+
+def attempt(env: Env | None = None) -> int:
+    """The job-wide attempt; under plain torchrun (no jitrun) the restart count."""
+    e = _env(env)
+    return ATTEMPT.get(e) if ATTEMPT.raw(e) else int(e.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def restore_step(env: Env | None = None) -> int | None:
+    raw = RESTORE_STEP.get(env).strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def ec_op_timeout_s(timeout_s: float) -> float:
+    """An EC snapshot's or decode's collectives: never shorter than two JIT timeouts or 2 min."""
+    return max(DEFAULT_TIMEOUT_S, 2 * timeout_s)
+
+
+def pg_timeout_s(timeout_s: float, shim: bool) -> float:
+    """The process groups' timeout once training runs: the JIT timeout; with the shim
+    longer, so its watchdog sees an NCCL hang before PyTorch's tears the process down."""
+    return 2 * timeout_s + 30 if shim else timeout_s
