@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import contract, ec_pack, ec_snapshot, layout
+from . import contract, ec_files, ec_pack, ec_snapshot, layout
 from .ec_snapshot import log
 
 if TYPE_CHECKING:
@@ -75,8 +75,8 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
 
     cfg = rt.cfg
     job = cfg.job_id or "job"
-    d = ec_snapshot.ec_dir(job)
-    inv = ec_snapshot.scan_node(job)
+    d = ec_files.ec_dir(job)
+    inv = ec_files.scan_node(job)
     mine = [c for c in inv["chunks"] if c[0] == step]
     commit = next((c for c in inv["commits"] if int(c["step"]) == step), None)
     invs = g.allgather_json({"node": g.node, "chunks": mine, "commit": commit})
@@ -136,10 +136,10 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
         except (OSError, ec_pack.ChunkError) as e:
             bad.append(str(e))
     try:
-        stage = ec_snapshot.private_root(job) / "stage"
+        stage = ec_files.private_root(job) / "stage"
         layout.makedirs_private(stage)
     except layout.CheckpointDirError:  # not ours (scan_node found nothing there): a private temp dir
-        stage = Path(tempfile.mkdtemp(prefix="jitckpt-ec-stage-", dir=ec_snapshot.shm_base()))
+        stage = Path(tempfile.mkdtemp(prefix="jitckpt-ec-stage-", dir=ec_files.shm_base()))
     for index, t, w in recvs:
         w.wait()
         fd, tmp = tempfile.mkstemp(prefix=f".r{me}.c{index}.", suffix=".chunk", dir=stage)  # 0600

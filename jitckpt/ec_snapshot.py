@@ -1,5 +1,5 @@
-"""Erasure-coded in-memory snapshots on peer nodes: the worker's snapshot side and
-the node inventory the launcher's decision reads.
+"""Erasure-coded in-memory snapshots on peer nodes: the worker's side (where the
+chunks live and the node inventory are ``ec_files``; the memory cap ``ec_memory``).
 
 Every ``JITCKPT_EC_EVERY`` minibatches, at the start of a minibatch (``Runtime.on_snapshot``, called where the
 state is consistent), the registered save_fn writes into a private tmpfs staging directory; a background thread
@@ -24,7 +24,7 @@ cap, all disable EC snapshots together before anything is placed, with one ``ec_
 a stderr line naming the numbers and the flag (``over_cap_message``). Checked at every version from the first.
 When the job ends the agent removes ``job_root`` (``launcher/ec_clean.py``; also ``jitrun clean``).
 
-This module imports no torch at import time: the launcher uses ``scan_node`` / ``choose_version``.
+This module imports no torch at import time.
 """
 
 from __future__ import annotations
@@ -37,22 +37,15 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import contract, ec_pack, layout
+from . import contract, ec_files, ec_memory, ec_pack, layout
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-DEFAULT_MAX_MEM_FRACTION = 0.25  # default cap: this fraction of MemAvailable (and at most the /dev/shm size)
-VERSIONS_HELD = 2  # while version v+1 is placed, version v is still the committed one
-
-_CHUNK_RE = re.compile(r"^(?P<job>[A-Za-z0-9._-]+)\.s(?P<step>\d+)\.r(?P<rank>\d+)\.t(?P<stripe>\d+)"
-                       r"\.c(?P<index>\d+)\.chunk$")
-_COMMIT_RE = re.compile(r"^(?P<job>[A-Za-z0-9._-]+)\.s(?P<step>\d+)\.r(?P<rank>\d+)\.commit\.json$")
 
 
 def log(msg: str) -> None:
@@ -78,244 +71,6 @@ def parse_code(text: str | None) -> tuple[int, int] | None:
     if k < 1 or k + mm > 255:
         raise ValueError(f"EC code {text!r}: need K >= 1 and K + M <= 255")
     return k, mm
-
-
-# -- memory cap (--jit-ec-max-mem) ------------------------------------------------------------------------
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units, as --jit-ec-max-mem reads them)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
-def parse_size(text: str) -> int:
-    """``"512M"`` -> 536870912: a number of bytes with an optional K/M/G/T suffix (powers of 1024; "KB",
-    "KiB" mean the same). ValueError with the expected form."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTkmgt]?)(?:i?[Bb])?\s*", text or "")
-    if not m:
-        raise ValueError(f"{text!r} is not a size: expected bytes with an optional K/M/G/T suffix "
-                         "(powers of 1024), e.g. 512M or 2G, or a percentage of MemAvailable, e.g. 25%")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"{text!r}: the cap must be more than 0 bytes")
-    return value
-
-
-def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """MemAvailable of this node in bytes (None if the kernel does not say)."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                parts = line.split()
-                return int(parts[1]) * (1024 if len(parts) > 2 and parts[2].lower() == "kb" else 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def shm_size(base: Path | None = None) -> int | None:
-    """Total size of the file system that holds the chunks (/dev/shm, a tmpfs), None if unknown."""
-    try:
-        st = os.statvfs(base or shm_base())
-        return st.f_blocks * st.f_frsize
-    except OSError:
-        return None
-
-
-def resolve_max_mem(text: str | None, avail: int | None = None, shm: int | None = None) -> tuple[int, str]:
-    """The per-node cap in bytes for ``--jit-ec-max-mem`` (``None``: the default) and how it was derived.
-
-    Checks what can be checked before the first snapshot: the value parses and is at most MemAvailable and
-    the size of /dev/shm (the chunks live there). ``avail`` / ``shm``: the node's numbers (read when None).
-    Raises ValueError naming the numbers and the fix."""
-    avail = mem_available() if avail is None else avail
-    shm = shm_size() if shm is None else shm
-    where = f"/dev/shm ({shm_base()})" if contract.EC_SHM.get() else "/dev/shm"
-    if text is None or text.strip() in ("", "auto"):
-        if avail is None:
-            raise ValueError("no MemAvailable in /proc/meminfo to derive the default cap from; "
-                             "pass --jit-ec-max-mem SIZE (e.g. 2G)")
-        cap = int(avail * DEFAULT_MAX_MEM_FRACTION)
-        how = f"default: {DEFAULT_MAX_MEM_FRACTION:.0%} of MemAvailable {fmt_bytes(avail)}"
-        if shm is not None and shm < cap:
-            cap, how = shm, f"default: the size of {where}, {fmt_bytes(shm)} (< 25% of MemAvailable)"
-        return cap, how
-    t = text.strip()
-    if t.endswith("%"):
-        try:
-            pct = float(t[:-1])
-        except ValueError:
-            pct = -1.0
-        if not 0 < pct <= 100:
-            raise ValueError(f"{text!r}: a percentage of MemAvailable must be in (0, 100], e.g. 25%")
-        if avail is None:
-            raise ValueError(f"{text!r}: no MemAvailable in /proc/meminfo; pass a size instead (e.g. 2G)")
-        cap, how = int(avail * pct / 100), f"--jit-ec-max-mem {t} of MemAvailable {fmt_bytes(avail)}"
-    else:
-        cap, how = parse_size(t), f"--jit-ec-max-mem {t}"
-    if avail is not None and cap > avail:
-        raise ValueError(f"{text!r} = {fmt_bytes(cap)} is more than this node's MemAvailable "
-                         f"({fmt_bytes(avail)}): the snapshots would push the node into swap or the OOM killer; "
-                         f"pass at most {fmt_bytes(avail)} (default {DEFAULT_MAX_MEM_FRACTION:.0%} of it)")
-    if shm is not None and cap > shm:
-        raise ValueError(f"{text!r} = {fmt_bytes(cap)} is more than {where} can hold ({fmt_bytes(shm)}): "
-                         f"the chunks live there; pass at most {fmt_bytes(shm)} or enlarge the tmpfs "
-                         "(mount -o remount,size=... /dev/shm; docker run --shm-size)")
-    return cap, how
-
-
-def node_needs(node_of: Sequence[int], stripe_sizes: Sequence[int], plan: Sequence[tuple[int, int, int]],
-               chunk_size) -> dict[int, dict]:
-    """Bytes of /dev/shm each node needs for the EC files of this job at one version's peak:
-    ``VERSIONS_HELD`` x (the chunks it holds, headers included) + its own ranks' staged save_fn output
-    (about the packed size). ``plan``: (owner rank, chunk index, writer rank) as ``Snapshotter._plan``;
-    ``chunk_size(stripe size)``: the codec's. Pure: every rank computes the same from all-gathered sizes."""
-    out: dict[int, dict] = {}
-    for n in sorted(set(node_of)):
-        out[n] = {"chunks": 0, "chunk_bytes": 0, "largest_chunk": 0, "staged_bytes": 0,
-                  "ranks": [r for r, x in enumerate(node_of) if x == n]}
-    for r, _i, dst in plan:
-        c = ec_pack.CHUNK_HEADER_SIZE + chunk_size(stripe_sizes[r])
-        o = out[node_of[dst]]
-        o["chunks"] += 1
-        o["chunk_bytes"] += c
-        o["largest_chunk"] = max(o["largest_chunk"], c)
-    for r, n in enumerate(node_of):
-        out[n]["staged_bytes"] += stripe_sizes[r]
-    for o in out.values():
-        o["need_bytes"] = VERSIONS_HELD * o["chunk_bytes"] + o["staged_bytes"]
-    return out
-
-
-def over_cap_message(step: int, node: int, need: dict, cap: int, how: str) -> str:
-    """The loud line when a node's share does not fit under its cap: the numbers and the flags to change."""
-    each = (f"{fmt_bytes(need['largest_chunk'])} each" if need["chunks"] * need["largest_chunk"] == need["chunk_bytes"]
-            else f"{fmt_bytes(need['chunk_bytes'])} in all")
-    return (f"EC snapshots DISABLED for this job at step {step}: node {node} (rank(s) "
-            f"{','.join(map(str, need['ranks'][:8]))}{',...' if len(need['ranks']) > 8 else ''}) would hold "
-            f"{VERSIONS_HELD} versions x {need['chunks']} chunk(s) ({each}) + {fmt_bytes(need['staged_bytes'])} "
-            f"staged = {fmt_bytes(need['need_bytes'])} in /dev/shm, over its cap of {fmt_bytes(cap)} ({how}). "
-            f"Raise --jit-ec-max-mem to at least {fmt_bytes(need['need_bytes'])} (at most the node's MemAvailable), "
-            "or spread the chunks thinner (more nodes, a larger K in --jit-ec-code), or snapshot less state; "
-            "--jit-ec-every 0 turns snapshots off. "
-            "Training goes on without EC snapshots (JIT checkpoints are unaffected).")
-
-
-def shm_base() -> Path:
-    return Path(contract.EC_SHM.get() or "/dev/shm")
-
-
-def job_root(job_id: str, base: Path | None = None) -> Path:
-    """This job's private tmpfs directory: the job key in the name, so a job never reads another's chunks."""
-    return (base or shm_base()) / f"jitckpt-{ec_pack.job_key(job_id)}"
-
-
-def private_root(job_id: str, base: Path | None = None) -> Path:
-    """:func:`job_root`, created 0700 by us or an existing one of ours (tightened), else
-    layout.CheckpointDirError: /dev/shm is shared by every user of the node and the name is
-    predictable, so a directory someone else made there could hold chunks of their choosing."""
-    root = job_root(job_id, base)
-    layout.own_private_dir(root)
-    return root
-
-
-def ec_dir(job_id: str, base: Path | None = None) -> Path:
-    return job_root(job_id, base) / "ec"
-
-
-def commit_name(job_id: str, step: int, rank: int) -> str:
-    return f"{ec_pack.job_key(job_id)}.s{step}.r{rank}.commit.json"
-
-
-# -- node inventory (launcher side: no torch) ------------------------------------------------------------
-
-
-def scan_node(job_id: str, base: Path | None = None) -> dict:
-    """The EC state this node holds: commit records (parsed) and chunk files (from names and sizes only;
-    payload checksums are verified by the restarted ranks, a bad chunk then counts as lost)."""
-    d = ec_dir(job_id, base)
-    key = ec_pack.job_key(job_id)
-    commits: dict[int, dict] = {}
-    chunks: list[list[int]] = []
-    if not layout.is_own_private_dir(job_root(job_id, base)):
-        return {"commits": [], "chunks": []}  # none, or someone else's: nothing in it is ours
-    try:
-        entries = list(os.scandir(d))
-    except OSError:
-        return {"commits": [], "chunks": []}
-    for e in entries:
-        if (m := _CHUNK_RE.match(e.name)) and m.group("job") == key:
-            try:
-                size = e.stat().st_size
-            except OSError:
-                continue
-            chunks.append([int(m.group("step")), int(m.group("rank")), int(m.group("stripe")),
-                           int(m.group("index")), size])
-        elif (m := _COMMIT_RE.match(e.name)) and m.group("job") == key:
-            step = int(m.group("step"))
-            if step in commits:
-                continue  # one record per step is enough: they describe the same version
-            try:
-                rec = json.loads(Path(e.path).read_text())
-                if rec.get("job") != key or int(rec["step"]) != step:
-                    continue
-                commits[step] = rec
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-    return {"commits": [commits[s] for s in sorted(commits)], "chunks": sorted(chunks)}
-
-
-def choose_version(node_ecs: Sequence[dict], world_size: int | None = None) -> tuple[dict | None, list[str]]:
-    """The newest committed version decodable from these nodes' chunks, and why newer ones are not.
-
-    ``node_ecs``: one ``scan_node`` result per surviving node. A version is decodable when some node holds its
-    commit record (every chunk was placed, so the record proves completeness) and every rank's stripe has at
-    least k distinct chunk indices of the recorded size among the surviving nodes.
-    Returns ``({"step", "k", "m", "world_size", "attempt"}, rejected reasons)``.
-    """
-    commits: dict[int, dict] = {}
-    have: dict[tuple[int, int, int], set[int]] = {}  # (step, rank, size) -> chunk indices
-    for inv in node_ecs:
-        for rec in inv.get("commits", ()):
-            commits.setdefault(int(rec["step"]), rec)
-        for step, rank, stripe, index, fsize in inv.get("chunks", ()):
-            if stripe == 0:
-                have.setdefault((step, rank, fsize), set()).add(index)
-    rejected: list[str] = []
-    for step in sorted(commits, reverse=True):
-        rec = commits[step]
-        try:
-            k, m, ws = int(rec["k"]), int(rec["m"]), int(rec["world_size"])
-            stripes = {int(r): s for r, s in rec["stripes"].items()}
-        except (KeyError, TypeError, ValueError) as e:
-            rejected.append(f"EC step {step}: malformed commit record ({e!r})")
-            continue
-        if world_size is not None and ws != world_size:
-            rejected.append(f"EC step {step}: taken with {ws} ranks, the job now has {world_size}")
-            continue
-        short = []
-        for r in range(ws):
-            s = stripes.get(r)
-            if s is None:
-                short.append(f"rank {r}: not in the commit record")
-                continue
-            got = len(have.get((step, r, ec_pack.CHUNK_HEADER_SIZE + int(s["csize"])), set()))
-            if got < k:
-                short.append(f"rank {r}: {got} of the {k} chunks needed survive")
-        if short:
-            rejected.append(f"EC step {step} ({k}+{m}) is not decodable from the surviving nodes: "
-                            + "; ".join(short[:4]) + ("; ..." if len(short) > 4 else ""))
-            continue
-        return {"step": step, "k": k, "m": m, "world_size": ws, "attempt": rec.get("attempt")}, rejected
-    if not commits:
-        rejected.append("no committed EC snapshot on the surviving nodes")
-    return None, rejected
 
 
 # -- the EC process group (worker side) ------------------------------------------------------------------
@@ -442,12 +197,12 @@ class Snapshotter:
             # "staged" all-gather), training never waits for the EC path
             self._q.put((step, None))
             return
-        stage = job_root(self.job) / "stage" / f"r{self.rank}.s{step}"
+        stage = ec_files.job_root(self.job) / "stage" / f"r{self.rank}.s{step}"
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             old = os.umask(0o077)
             try:
-                private_root(self.job)
+                ec_files.private_root(self.job)
                 if stage.exists():
                     shutil.rmtree(stage)
                 layout.makedirs_private(stage)
@@ -524,9 +279,9 @@ class Snapshotter:
                 buf, _man = ec_pack.pack_dir(stage, align=k)
             except Exception as e:
                 log(f"rank {self.rank}: EC snapshot at step {step}: pack failed ({e}); skipped")
-        d = ec_dir(self.job)
+        d = ec_files.ec_dir(self.job)
         try:
-            private_root(self.job)
+            ec_files.private_root(self.job)
         except layout.CheckpointDirError as e:  # every rank then skips this version (the "staged" all-gather)
             log(f"rank {self.rank}: EC snapshot at step {step}: {e}; skipped")
             buf = None
@@ -535,7 +290,7 @@ class Snapshotter:
             # below, which no rank of this node passes before its leader: a rank past it may
             # already be writing this version's (still uncommitted) chunks here.
             layout.makedirs_private(d)
-            _drop_uncommitted(self.job, d)
+            ec_files.drop_uncommitted(self.job, d)
         # [staged, stripe size, this node's cap]: the memory check below needs no collective of its own
         sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap])
         if not all(s[0] for s in sizes):
@@ -560,18 +315,18 @@ class Snapshotter:
                "world_size": g.world, "nodes": len(g.nodes), "tolerate": tolerate, "t": time.time(),
                "stripes": {str(r): {"size": sizes[r][1], "csize": codec.chunk_size(sizes[r][1]),
                                     "shard": shards[r]} for r in range(g.world)}}
-        layout.atomic_write_bytes(d / commit_name(self.job, step, self.rank), json.dumps(rec).encode())
+        layout.atomic_write_bytes(d / ec_files.commit_name(self.job, step, self.rank), json.dumps(rec).encode())
         if not g.all_ok(True):  # every node holds the record before anything older goes
             return
         self.committed = step
         if g.leader():
-            _drop_other_versions(self.job, d, keep=step)
+            ec_files.drop_other_versions(self.job, d, keep=step)
 
     def _over_cap(self, g: Group, step: int, sizes, plan, codec) -> bool:
         """--jit-ec-max-mem: does every node's share (two versions of its chunks + its staging) fit under
         its cap? Every rank computes the same from the all-gathered sizes and caps, so all disable together
         (the older committed version, if any, stays). One event (rank 0) and one stderr line per node over."""
-        needs = node_needs(g.node_of, [s[1] for s in sizes], plan, codec.chunk_size)
+        needs = ec_memory.node_needs(g.node_of, [s[1] for s in sizes], plan, codec.chunk_size)
         over = []
         for n, need in needs.items():
             cap = min(sizes[r][2] for r in need["ranks"])
@@ -586,14 +341,14 @@ class Snapshotter:
         if self.rank == 0 or (mine is not None and g.leader()):
             nn, nneed, ncap = mine or (n, need, cap)
             how = self.cap_how if nn == g.node else "that node's --jit-ec-max-mem"
-            log("ERROR: " + over_cap_message(step, nn, nneed, ncap, how)
+            log("ERROR: " + ec_memory.over_cap_message(step, nn, nneed, ncap, how)
                 + (f" ({len(over)} node(s) over their caps)" if len(over) > 1 else ""))
         if self.rank == 0:
             self.rt.report("ec_disabled", reason="memory_cap", step=step, ec_node=n, ec_nodes_over=[o[0] for o in over],
-                           need_bytes=need["need_bytes"], cap_bytes=cap, versions=VERSIONS_HELD,
+                           need_bytes=need["need_bytes"], cap_bytes=cap, versions=ec_files.VERSIONS_HELD,
                            chunks=need["chunks"], chunk_bytes=need["chunk_bytes"], staged_bytes=need["staged_bytes"],
                            flag="--jit-ec-max-mem",
-                           message=over_cap_message(step, n, need, cap,
+                           message=ec_memory.over_cap_message(step, n, need, cap,
                                                     self.cap_how if n == g.node else "--jit-ec-max-mem"))
         return True
 
@@ -646,34 +401,6 @@ class Snapshotter:
         return ok
 
 
-def _versions(job_id: str, d: Path) -> tuple[set[int], list[tuple[int, Path]]]:
-    """Committed steps in ``d`` and every (step, path) of this job's EC files."""
-    key = ec_pack.job_key(job_id)
-    committed, files = set(), []
-    for e in os.scandir(d):
-        m = _CHUNK_RE.match(e.name) or _COMMIT_RE.match(e.name)
-        if m and m.group("job") == key:
-            files.append((int(m.group("step")), Path(e.path)))
-            if e.name.endswith(".commit.json"):
-                committed.add(int(m.group("step")))
-    return committed, files
-
-
-def _drop_uncommitted(job_id: str, d: Path) -> None:
-    committed, files = _versions(job_id, d)
-    for step, p in files:
-        if step not in committed:
-            p.unlink(missing_ok=True)
-
-
-def _drop_other_versions(job_id: str, d: Path, keep: int) -> None:
-    """After version ``keep`` is committed everywhere: the older one goes (and any other left over)."""
-    _committed, files = _versions(job_id, d)
-    for step, p in files:
-        if step != keep:
-            p.unlink(missing_ok=True)
-
-
 def _cap_from_env() -> tuple[int, str]:
     """This node's cap as jitrun resolved it (JITCKPT_EC_MAX_MEM); outside jitrun, the default."""
     raw = contract.EC_MAX_MEM.get()
@@ -683,7 +410,7 @@ def _cap_from_env() -> tuple[int, str]:
         except ValueError:
             log(f"{contract.EC_MAX_MEM.name}={raw!r} is not a number of bytes; using the default cap")
     try:
-        return resolve_max_mem(None)
+        return ec_memory.resolve_max_mem(None)
     except ValueError:
         return 1 << 62, "no cap (MemAvailable unknown)"
 

@@ -134,7 +134,7 @@ def _check_ec(args) -> str | None:
         every = args.jit_ec_every = DEFAULT_EC_EVERY
     if every < 0:
         return f"--jit-ec-every {every}: expected a number of minibatches >= 0 (0 = no EC snapshots)"
-    from jitckpt import ec_pack, ec_snapshot
+    from jitckpt import ec_memory, ec_pack, ec_snapshot
 
     try:
         code = ec_snapshot.parse_code(getattr(args, "jit_ec_code", "auto"))
@@ -144,7 +144,7 @@ def _check_ec(args) -> str | None:
     if max_mem is not None or every:
         try:
             # (bytes, how it was set) for run(): parses, <= MemAvailable and the size of /dev/shm
-            args.ec_cap = ec_snapshot.resolve_max_mem(max_mem)
+            args.ec_cap = ec_memory.resolve_max_mem(max_mem)
         except ValueError as e:
             if by_default and max_mem is None:  # nobody asked for EC here: off, said once, no refusal
                 print(f"jitrun: EC snapshots off (the default --jit-ec-every {every} needs a memory cap: {e})",

@@ -153,12 +153,12 @@ def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = froz
     good, _bad = layout.scan(root, job_id)
     reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
              "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
-    from jitckpt import ec_snapshot
+    from jitckpt import ec_files, ec_snapshot
 
     # the EC chunks and commit records in this node's /dev/shm (the agent shares its workers' mounts)
     inv = {**asdict(node), "replicas": reps, "finished": sorted(finished)}
     if ec_snapshot.enabled():  # --jit-ec-every 0: the inventory (and the decision) are as without EC
-        inv["ec"] = ec_snapshot.scan_node(job_id)
+        inv["ec"] = ec_files.scan_node(job_id)
     return inv
 
 
@@ -204,7 +204,7 @@ def choose_source(d: Decision, inventories: list[dict]) -> None:
     """The recovery order: a replica checkpoint (this failure's JIT checkpoint is the newest step
     there is, so it wins any tie); else the newest committed EC version decodable from the nodes that
     answered, when newer than the newest persistent replica; else that replica; else a fresh start."""
-    from jitckpt import ec_snapshot
+    from jitckpt import ec_files
 
     d.source = "replica" if d.step is not None else "fresh"
     ecs = [i["ec"] for i in inventories if i.get("ec") is not None]
@@ -212,7 +212,7 @@ def choose_source(d: Decision, inventories: list[dict]) -> None:
         return  # EC snapshots off: the decision is exactly the replica one (d.ec stays None)
     world = len(d.shard_of_rank) or None
     try:
-        ver, rejected = ec_snapshot.choose_version(ecs, world)
+        ver, rejected = ec_files.choose_version(ecs, world)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # an inventory's EC part that is not one
         auth.reject("EC part of an inventory", f"malformed: {type(e).__name__}: {e}")
         ver, rejected = None, [f"EC inventories unusable ({type(e).__name__})"]

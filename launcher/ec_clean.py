@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jitckpt import ec_snapshot, layout
+from jitckpt import ec_files, ec_memory, layout
 
 PROG = "jitrun clean"
 
@@ -56,7 +56,7 @@ def _remove(p: Path) -> None:
 
 def free_node(job_id: str, base: Path | None = None, dry_run: bool = False) -> tuple[Path, int, int]:
     """Remove this job's EC directory in /dev/shm (``base``: instead of /dev/shm). Returns (dir, files, bytes)."""
-    d = ec_snapshot.job_root(job_id, base)
+    d = ec_files.job_root(job_id, base)
     if not d.exists() or not layout.is_own_private_dir(d):
         return d, 0, 0  # someone else's directory is not ours to remove
     files, size = _size(d)
@@ -74,7 +74,7 @@ def free_at_end(job_id: str, events=None) -> None:
         print(f"jitrun: warning: could not free the EC snapshots of this job: {e}", file=sys.stderr, flush=True)
         return
     if files:
-        print(f"jitrun: freed {ec_snapshot.fmt_bytes(size)} of EC snapshots ({files} file(s)) in {d}", flush=True)
+        print(f"jitrun: freed {ec_memory.fmt_bytes(size)} of EC snapshots ({files} file(s)) in {d}", flush=True)
         if events is not None:
             events.emit("ec_freed", dir=str(d), files=files, bytes=size)
 
@@ -162,7 +162,7 @@ def main(argv: list[str], stdout=None, stderr=None) -> int:
         nonlocal total_files, total_bytes
         total_files += files
         total_bytes += size
-        print(f"{PROG}: {verb} {what}: {path} ({files} file(s), {ec_snapshot.fmt_bytes(size)})", file=out)
+        print(f"{PROG}: {verb} {what}: {path} ({files} file(s), {ec_memory.fmt_bytes(size)})", file=out)
 
     d, files, size = free_node(job_id, dry_run=args.dry_run)
     if files or d.exists():
@@ -185,7 +185,7 @@ def main(argv: list[str], stdout=None, stderr=None) -> int:
                 if not args.dry_run:
                     _remove(p)
                 say("checkpoints (--all)", p, files, size)
-    print(f"{PROG}: {verb} {total_files} file(s), {ec_snapshot.fmt_bytes(total_bytes)} in all"
+    print(f"{PROG}: {verb} {total_files} file(s), {ec_memory.fmt_bytes(total_bytes)} in all"
           + ("" if args.all else
              f"; kept {len(replicas)} complete checkpoint(s)"
              + (f" (step(s) {', '.join(map(str, steps[-5:]))})" if steps else "")

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import contract, ec_pack, ec_snapshot, layout
+from jitckpt import contract, ec_files, ec_pack, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _commit(shm: Path, job: str, step: int, world: int = 2, k: int = 1, m: int = 0, payload: bytes = b"x" * 64):
     """A committed version of ``job`` in ``shm`` (chunks + commit record) as the snapshot path writes it."""
-    d = ec_snapshot.ec_dir(job, shm)
+    d = ec_files.ec_dir(job, shm)
     size = len(payload) * k
     for r in range(world):
         for i in range(k + m):
@@ -34,7 +34,7 @@ def _commit(shm: Path, job: str, step: int, world: int = 2, k: int = 1, m: int =
     rec = {"job": ec_pack.job_key(job), "step": step, "attempt": 0, "k": k, "m": m, "world_size": world,
            "stripes": {str(r): {"size": size, "csize": len(payload), "shard": "0"} for r in range(world)}}
     for r in range(world):
-        layout.atomic_write_bytes(d / ec_snapshot.commit_name(job, step, r), json.dumps(rec).encode())
+        layout.atomic_write_bytes(d / ec_files.commit_name(job, step, r), json.dumps(rec).encode())
     return d
 
 
@@ -160,7 +160,7 @@ def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, 
 
     _commit(shm, "jobA", 8)
     # job B looks in its own directory: nothing
-    assert ec_snapshot.scan_node("jobB", shm) == {"chunks": [], "commits": []}
+    assert ec_files.scan_node("jobB", shm) == {"chunks": [], "commits": []}
     monkey = {contract.EC_EVERY.name: "4"}
     os.environ.update(monkey)
     try:
@@ -170,13 +170,13 @@ def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, 
     assert inv["ec"] == {"chunks": [], "commits": []}
     # even A's files copied into B's directory and renamed to B's names: the commit record names job A (not
     # listed), and every chunk header does too (refused when read)
-    a, b = ec_snapshot.ec_dir("jobA", shm), ec_snapshot.ec_dir("jobB", shm)
+    a, b = ec_files.ec_dir("jobA", shm), ec_files.ec_dir("jobB", shm)
     b.mkdir(parents=True)
     for p in a.iterdir():
         shutil.copy(p, b / p.name.replace("jobA.", "jobB.", 1))
-    inv = ec_snapshot.scan_node("jobB", shm)
+    inv = ec_files.scan_node("jobB", shm)
     assert inv["commits"] == [] and len(inv["chunks"]) == 2
-    assert ec_snapshot.choose_version([inv], 2)[0] is None
+    assert ec_files.choose_version([inv], 2)[0] is None
     for p in b.glob("*.chunk"):
         with pytest.raises(ec_pack.ChunkError, match="belongs to job 'jobA', not 'jobB'"):
             ec_pack.read_chunk(p, "jobB")
@@ -190,7 +190,7 @@ def test_second_job_on_the_same_jit_dir_is_refused_and_leaves_the_chunks(tmp_pat
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                         env={**os.environ, "PYTHONPATH": str(ROOT), "JITCKPT_JOB_ID": "jobB"})
     assert cp.returncode == 2 and "belongs to job 'jobA'" in cp.stderr, cp.stderr
-    assert len(list(mine.iterdir())) == 4 and not ec_snapshot.job_root("jobB", shm).exists()
+    assert len(list(mine.iterdir())) == 4 and not ec_files.job_root("jobB", shm).exists()
 
 
 # -- under jitrun: freed at the end, never another job's ------------------------------------------------------
@@ -212,7 +212,7 @@ def test_chunks_freed_at_normal_end_and_other_jobs_ignored(tmp_path, shm):
     freed = job.of("ec_freed")
     assert len(freed) == 1 and freed[0]["files"] > 0, job.output[-3000:]
     assert "freed" in job.output and "of EC snapshots" in job.output
-    assert not ec_snapshot.job_root("jobB", shm).exists()
+    assert not ec_files.job_root("jobB", shm).exists()
     assert len(list(other.iterdir())) == 4, "job A's chunks are left alone"
 
 

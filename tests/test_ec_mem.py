@@ -19,7 +19,7 @@ import pytest
 import test_ec_snapshot as snap_t
 from test_ec_snapshot import JOB, node_dir, scan
 
-from jitckpt import contract, ec_pack, ec_snapshot
+from jitckpt import contract, ec_memory, ec_pack
 
 ROOT = Path(__file__).resolve().parent.parent
 cluster = snap_t.cluster  # the fixture: a TCPStore master and one directory per "node", shared
@@ -31,42 +31,42 @@ GIB = 1 << 30
 
 
 def test_parse_size_units():
-    assert ec_snapshot.parse_size("100") == 100
-    assert ec_snapshot.parse_size("4K") == 4096 and ec_snapshot.parse_size("4KiB") == 4096
-    assert ec_snapshot.parse_size("512M") == 512 << 20 and ec_snapshot.parse_size("512mb") == 512 << 20
-    assert ec_snapshot.parse_size("1.5G") == 3 << 29 and ec_snapshot.parse_size(" 2 T ") == 2 << 40
+    assert ec_memory.parse_size("100") == 100
+    assert ec_memory.parse_size("4K") == 4096 and ec_memory.parse_size("4KiB") == 4096
+    assert ec_memory.parse_size("512M") == 512 << 20 and ec_memory.parse_size("512mb") == 512 << 20
+    assert ec_memory.parse_size("1.5G") == 3 << 29 and ec_memory.parse_size(" 2 T ") == 2 << 40
     for bad in ("", "x", "-1", "0", "1Q", "1e9", "G"):
         with pytest.raises(ValueError):
-            ec_snapshot.parse_size(bad)
+            ec_memory.parse_size(bad)
 
 
 def test_resolve_cap_default_fraction_and_limits():
-    cap, how = ec_snapshot.resolve_max_mem(None, avail=16 * GIB, shm=64 * GIB)
+    cap, how = ec_memory.resolve_max_mem(None, avail=16 * GIB, shm=64 * GIB)
     assert cap == 4 * GIB and "25% of MemAvailable 16.0 GiB" in how
     # a small /dev/shm (docker's 64 MiB) bounds the default instead of refusing the job
-    cap, how = ec_snapshot.resolve_max_mem(None, avail=16 * GIB, shm=64 << 20)
+    cap, how = ec_memory.resolve_max_mem(None, avail=16 * GIB, shm=64 << 20)
     assert cap == 64 << 20 and "size of /dev/shm" in how
-    assert ec_snapshot.resolve_max_mem("2G", avail=16 * GIB, shm=8 * GIB) == (2 * GIB, "--jit-ec-max-mem 2G")
-    assert ec_snapshot.resolve_max_mem("50%", avail=16 * GIB, shm=64 * GIB)[0] == 8 * GIB
+    assert ec_memory.resolve_max_mem("2G", avail=16 * GIB, shm=8 * GIB) == (2 * GIB, "--jit-ec-max-mem 2G")
+    assert ec_memory.resolve_max_mem("50%", avail=16 * GIB, shm=64 * GIB)[0] == 8 * GIB
     with pytest.raises(ValueError, match=r"more than this node's MemAvailable \(16.0 GiB\).*at most 16.0 GiB"):
-        ec_snapshot.resolve_max_mem("20G", avail=16 * GIB, shm=64 * GIB)
+        ec_memory.resolve_max_mem("20G", avail=16 * GIB, shm=64 * GIB)
     with pytest.raises(ValueError, match=r"more than /dev/shm can hold \(1.0 GiB\).*--shm-size"):
-        ec_snapshot.resolve_max_mem("2G", avail=16 * GIB, shm=GIB)
+        ec_memory.resolve_max_mem("2G", avail=16 * GIB, shm=GIB)
     with pytest.raises(ValueError, match=r"\(0, 100\]"):
-        ec_snapshot.resolve_max_mem("150%", avail=16 * GIB, shm=64 * GIB)
-    with mock.patch.object(ec_snapshot, "mem_available", return_value=None):
+        ec_memory.resolve_max_mem("150%", avail=16 * GIB, shm=64 * GIB)
+    with mock.patch.object(ec_memory, "mem_available", return_value=None):
         with pytest.raises(ValueError, match="no MemAvailable"):
-            ec_snapshot.resolve_max_mem(None, shm=GIB)
-        assert ec_snapshot.resolve_max_mem("1G", shm=2 * GIB)[0] == GIB  # a size needs no meminfo
+            ec_memory.resolve_max_mem(None, shm=GIB)
+        assert ec_memory.resolve_max_mem("1G", shm=2 * GIB)[0] == GIB  # a size needs no meminfo
 
 
 def test_mem_available_reads_meminfo(tmp_path):
     f = tmp_path / "meminfo"
     f.write_text("MemTotal:       24684092 kB\nMemFree: 1 kB\nMemAvailable:   22409576 kB\n")
-    assert ec_snapshot.mem_available(str(f)) == 22409576 * 1024
+    assert ec_memory.mem_available(str(f)) == 22409576 * 1024
     f.write_text("MemTotal: 1 kB\n")
-    assert ec_snapshot.mem_available(str(f)) is None
-    assert ec_snapshot.mem_available() is None or ec_snapshot.mem_available() > 0
+    assert ec_memory.mem_available(str(f)) is None
+    assert ec_memory.mem_available() is None or ec_memory.mem_available() > 0
 
 
 def test_node_needs_two_versions_of_its_chunks_plus_staging():
@@ -74,13 +74,13 @@ def test_node_needs_two_versions_of_its_chunks_plus_staging():
     node_of = [0, 1, 2]
     sizes = [1000, 2000, 3000]
     plan = [(r, i, (r + i) % 3) for r in range(3) for i in range(3)]  # chunk i of rank r on node r+i
-    needs = ec_snapshot.node_needs(node_of, sizes, plan, lambda s: -(-s // 2))
+    needs = ec_memory.node_needs(node_of, sizes, plan, lambda s: -(-s // 2))
     h = ec_pack.CHUNK_HEADER_SIZE
     for n in range(3):
         assert needs[n]["chunks"] == 3
         assert needs[n]["chunk_bytes"] == 3 * h + 500 + 1000 + 1500
         assert needs[n]["need_bytes"] == 2 * needs[n]["chunk_bytes"] + sizes[n]
-    msg = ec_snapshot.over_cap_message(8, 1, needs[1], 4000, "--jit-ec-max-mem 4000")
+    msg = ec_memory.over_cap_message(8, 1, needs[1], 4000, "--jit-ec-max-mem 4000")
     for part in ("DISABLED", "step 8", "node 1", "2 versions x 3 chunk(s)", "over its cap of 3.9 KiB",
                  "--jit-ec-max-mem 4000", "Raise --jit-ec-max-mem to at least", "Training goes on"):
         assert part in msg, (part, msg)
@@ -115,7 +115,7 @@ def test_default_interval_is_on_and_never_refuses(monkeypatch, capsys):
     off = args_of("--jit-ec-every", "0")
     assert cli.check_args(off) is None and off.jit_ec_every == 0
     # a node where no cap can be derived: the default turns EC off with a note, an explicit N is refused
-    monkeypatch.setattr(ec_snapshot, "mem_available", lambda meminfo="": None)
+    monkeypatch.setattr(ec_memory, "mem_available", lambda meminfo="": None)
     a = args_of()
     assert cli.check_args(a) is None and a.jit_ec_every == 0
     assert "EC snapshots off (the default --jit-ec-every" in capsys.readouterr().err

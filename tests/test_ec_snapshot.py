@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt import contract, ec_pack, ec_snapshot  # noqa: E402
+from jitckpt import contract, ec_files, ec_pack, ec_snapshot  # noqa: E402
 
 
 def _content(rank: int, step: int) -> dict[str, bytes]:
@@ -170,7 +170,7 @@ def expected_files(rank: int, step: int) -> dict[str, str]:
 
 
 def scan(c, nodes) -> list[dict]:
-    return [ec_snapshot.scan_node(JOB, node_dir(c, n)) for n in nodes]
+    return [ec_files.scan_node(JOB, node_dir(c, n)) for n in nodes]
 
 
 def test_snapshot_commit_place_and_restore_after_node_loss(cluster):
@@ -189,11 +189,11 @@ def test_snapshot_commit_place_and_restore_after_node_loss(cluster):
             assert (p.stat().st_mode & 0o777) == (0o700 if p.is_dir() else 0o600), p
     # staging is cleaned up
     assert not [p for n in range(3) for p in node_dir(c, n).glob("*/stage/*")]
-    ver, why = ec_snapshot.choose_version(invs, 3)
+    ver, why = ec_files.choose_version(invs, 3)
     assert ver and ver["step"] == 6 and (ver["k"], ver["m"]) == (2, 1), why
     # node 1 lost (its memory gone); a replacement node 3 comes up empty; ranks renumbered across nodes
     shutil.rmtree(node_dir(c, 1))
-    ver, why = ec_snapshot.choose_version(scan(c, [0, 2, 3]), 3)
+    ver, why = ec_files.choose_version(scan(c, [0, 2, 3]), 3)
     assert ver and ver["step"] == 6, why
     res, errs = run_ranks(c, "restore", [3, 0, 2], attempt=1,
                           env={"JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_RESTORE_STEP": "6",
@@ -218,7 +218,7 @@ def test_two_nodes_lost_falls_back_loudly_and_never_decodes(cluster):
     assert [r["committed"] for r in res] == [4, 4, 4]
     shutil.rmtree(node_dir(c, 0))
     shutil.rmtree(node_dir(c, 1))
-    ver, why = ec_snapshot.choose_version(scan(c, [2]), 3)
+    ver, why = ec_files.choose_version(scan(c, [2]), 3)
     assert ver is None and any("not decodable" in w and "1 of the 2 chunks" in w for w in why), why
     # even if told to (a stale decision), the ranks refuse together and take the fallback: a fresh start
     res, errs = run_ranks(c, "restore", [2, 3, 4], attempt=1,
@@ -233,7 +233,7 @@ def test_corrupt_chunk_is_counted_lost_not_decoded(cluster):
     run_ranks(c, "snap", [0, 1, 2], attempt=0, args=["2", "2"])
     # corrupt rank 0's chunk on node 2 (payload byte): checksum catches it, the other two decode
     name = ec_pack.chunk_name(ec_pack.ChunkTag(JOB, 2, 0, 0, 0, 1, 0, 0))
-    victims = [p for n in range(3) for p in ec_snapshot.ec_dir(JOB, node_dir(c, n)).glob(name.replace(".c0.", ".c*."))]
+    victims = [p for n in range(3) for p in ec_files.ec_dir(JOB, node_dir(c, n)).glob(name.replace(".c0.", ".c*."))]
     assert len(victims) == 3
     bad = next(p for p in victims if p.parent.parent.parent == node_dir(c, 2))
     raw = bytearray(bad.read_bytes())
@@ -290,30 +290,30 @@ def test_choose_version_newest_decodable():
     # step 8 committed but rank 1's stripe has only one chunk left; step 4 complete
     invs = [_inv([_ch(8, 0, 0), _ch(8, 0, 1), _ch(8, 1, 0), _ch(4, 0, 0), _ch(4, 1, 0)], [_rec(8)]),
             _inv([_ch(4, 0, 1), _ch(4, 1, 2)], [_rec(4)])]
-    ver, why = ec_snapshot.choose_version(invs, 2)
+    ver, why = ec_files.choose_version(invs, 2)
     assert ver["step"] == 4 and "EC step 8" in why[0] and "rank 1: 1 of the 2" in why[0], why
     # a chunk of the wrong size (another encode) does not count
     invs[1]["chunks"][0][4] += 1
-    assert ec_snapshot.choose_version(invs, 2)[0] is None
+    assert ec_files.choose_version(invs, 2)[0] is None
     # an uncommitted version is never chosen, however complete
-    assert ec_snapshot.choose_version([_inv([_ch(9, 0, 0), _ch(9, 0, 1)], [])], 1)[0] is None
+    assert ec_files.choose_version([_inv([_ch(9, 0, 0), _ch(9, 0, 1)], [])], 1)[0] is None
     # world size changed since the snapshot
-    ver, why = ec_snapshot.choose_version([_inv([_ch(4, 0, 0), _ch(4, 0, 1)] * 2, [_rec(4, world=2)])], 3)
+    ver, why = ec_files.choose_version([_inv([_ch(4, 0, 0), _ch(4, 0, 1)] * 2, [_rec(4, world=2)])], 3)
     assert ver is None and "2 ranks" in why[0]
 
 
 def test_scan_node_ignores_other_jobs_and_junk(tmp_path):
-    d = ec_snapshot.ec_dir(JOB, tmp_path)
+    d = ec_files.ec_dir(JOB, tmp_path)
     ec_pack.write_chunk(d, ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)
-    ec_pack.write_chunk(ec_snapshot.ec_dir("other", tmp_path), ec_pack.ChunkTag("other", 3, 0, 0, 0, 2, 1, 20),
+    ec_pack.write_chunk(ec_files.ec_dir("other", tmp_path), ec_pack.ChunkTag("other", 3, 0, 0, 0, 2, 1, 20),
                         b"y" * 10)
     (d / f"{JOB}.s3.r0.commit.json").write_text(json.dumps(_rec(3)))
     (d / f"{JOB}.s5.r0.commit.json").write_text("{not json")
     (d / "junk").write_text("x")
-    inv = ec_snapshot.scan_node(JOB, tmp_path)
+    inv = ec_files.scan_node(JOB, tmp_path)
     assert inv["chunks"] == [[3, 0, 0, 1, ec_pack.CHUNK_HEADER_SIZE + 10]]
     assert [r["step"] for r in inv["commits"]] == [3]
-    assert ec_snapshot.scan_node("nothing-here", tmp_path) == {"chunks": [], "commits": []}
+    assert ec_files.scan_node("nothing-here", tmp_path) == {"chunks": [], "commits": []}
 
 
 def test_parse_code():
@@ -372,7 +372,7 @@ def test_inventory_lists_ec_only_when_enabled(tmp_path, monkeypatch):
     from jitrun import decide
 
     monkeypatch.setenv(contract.EC_SHM.name, str(tmp_path))
-    ec_pack.write_chunk(ec_snapshot.ec_dir(JOB, tmp_path), ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)
+    ec_pack.write_chunk(ec_files.ec_dir(JOB, tmp_path), ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)
     node = decide.NodeInfo("n", "h", "a")
     monkeypatch.setenv(contract.EC_EVERY.name, "0")
     assert "ec" not in decide.inventory(tmp_path / "jit", JOB, node)

@@ -27,7 +27,7 @@ from conftest import TRAIN, assert_same_state, run_tree
 from jitrun import decide, migrate, migrate_agent, transfer
 from jitrun.events import EventLog
 
-from jitckpt import auth, consistency, contract, ec_snapshot, layout, migrate_worker
+from jitckpt import auth, consistency, contract, ec_files, layout, migrate_worker
 from jitckpt.report import Reporter, ReportReader
 
 TOKEN = "sec-test-token-0123456789abcdef"
@@ -411,19 +411,19 @@ def test_foreign_owned_shm_job_dir_is_refused(tmp_path, monkeypatch):
     base = tmp_path / "shm"
     base.mkdir()
     monkeypatch.setenv(contract.EC_SHM.name, str(base))
-    d = ec_snapshot.job_root("secjob")
+    d = ec_files.job_root("secjob")
     d.mkdir(mode=0o777)
     os.chmod(d, 0o777)
     os.chown(d, 65534, 65534)
     (d / "ec").mkdir()
     (d / "ec" / "secjob.s5.r0.commit.json").write_text(json.dumps({"job": "secjob", "step": 5}))
     with pytest.raises(layout.CheckpointDirError, match="belongs to uid 65534"):
-        ec_snapshot.private_root("secjob")
-    assert ec_snapshot.scan_node("secjob") == {"commits": [], "chunks": []}
+        ec_files.private_root("secjob")
+    assert ec_files.scan_node("secjob") == {"commits": [], "chunks": []}
     # a symlink planted at the name is refused too
-    os.symlink(tmp_path, ec_snapshot.job_root("other"))
+    os.symlink(tmp_path, ec_files.job_root("other"))
     with pytest.raises(layout.CheckpointDirError, match="not a directory of ours"):
-        ec_snapshot.private_root("other")
+        ec_files.private_root("other")
 
 
 def test_existing_jit_dir_is_tightened_and_foreign_one_refused(tmp_path):
