@@ -79,7 +79,11 @@ def _parser():
         p.exit(2, f"jitrun: error: {message} (see jitrun --help)\n")
 
     p.error = error
-    g = p.add_argument_group("jitckpt")
+    _add_jit_options(p.add_argument_group("jitckpt"))
+    return p
+
+
+def _add_jit_options(g) -> None:
     g.add_argument("--jit-dir", default=None,
                    help="checkpoint root for JIT checkpoints and events.jsonl "
                         "(default: ./jitckpt_runs/<job id>)")
@@ -123,7 +127,6 @@ def _parser():
                         "so CRIU can move it to another node (jitrun migrate) and, with the shim preloaded, "
                         "move a rank whose device died to a spare device (scheduler hook: device_lost); "
                         "turns warm start off")
-    return p
 
 
 def _check_ec(args) -> str | None:
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+    from torch.distributed.run import config_from_args
 
     from .devices import scheduler
 
@@ -336,26 +339,52 @@ def run(args) -> int:
     except layout.CheckpointDirError as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
-    done = layout.finished_at(root)
-    if done is not None:
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(done))
-        if args.jit_resume:
-            print(f"jitrun: the previous run of this job finished at {when}; resuming from its checkpoints "
-                  "(--jit-resume)", flush=True)
-        else:
-            moved = layout.retire_finished(root)
-            from .ec_clean import free_at_end  # EC chunks of the finished run are never restored
-
-            free_at_end(job_id)
-            print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
-                  f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
+    _previous_run(root, job_id, args.jit_resume)
     timeout = args.jit_timeout or contract.TIMEOUT.get()
-    token = args.job_token  # checked by check_args
+    _tell_workers(args, root, job_id, timeout)
+    intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
+    _torchrun_defaults(args)
+    config, cmd, cmd_args = config_from_args(args)
+    cmd, cmd_args = _entrypoint(args, config, cmd, cmd_args, root, intercept)
+
+    from .launch import launch
+
+    rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=args.job_token, timeout_s=timeout,
+                save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
+                command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
+    if intercept:
+        from .shim_events import collect
+
+        for line in collect(root):
+            print(line, flush=True)
+    return rc
+
+
+def _previous_run(root: Path, job_id: str, resume: bool) -> None:
+    """A finished run of this job left its jit dir: continue from it (--jit-resume) or start fresh."""
+    done = layout.finished_at(root)
+    if done is None:
+        return
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(done))
+    if resume:
+        print(f"jitrun: the previous run of this job finished at {when}; resuming from its checkpoints "
+              "(--jit-resume)", flush=True)
+        return
+    moved = layout.retire_finished(root)
+    from .ec_clean import free_at_end  # EC chunks of the finished run are never restored
+
+    free_at_end(job_id)
+    print(f"jitrun: the previous run of this job finished at {when}; starting fresh (its checkpoints "
+          f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
+
+
+def _tell_workers(args, root: Path, job_id: str, timeout: float) -> None:
+    """The contract's variables every worker starts with (jitckpt/contract.py)."""
     contract.DIR.set(root)
     contract.JOB_ID.set(job_id)
-    contract.TOKEN.set(token)
+    contract.TOKEN.set(args.job_token)  # checked by check_args
     contract.TIMEOUT.set(timeout)
-    for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP):
+    for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP, contract.MIGRATABLE):
         var.unset()
     # EC snapshots: workers read these; 0 = off, nothing of it runs
     contract.EC_EVERY.set(getattr(args, "jit_ec_every", 0))
@@ -364,24 +393,31 @@ def run(args) -> int:
         cap, how = args.ec_cap  # resolved by check_args
         contract.EC_MAX_MEM.set(cap)
         contract.EC_MAX_MEM_HOW.set(how)
-    intercept = _want_intercept(args.jit_intercept)
-    if intercept:
-        lib = _intercept_lib()
-        if lib is None:
-            print("jitrun: warning: libjitintercept.so not found (run `make build` or set "
-                  f"{contract.INTERCEPT_LIB.name}); NCCL hangs are then detected by the process group "
-                  "timeout only", file=sys.stderr)
-        else:
-            os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-            # The shim recovers lost collectives and NCCL errors in place;
-            # what it cannot recover falls back to jitckpt's JIT save (Python workers,
-            # the hang handler) or to an exit 75 for a restart (any program).
-            from .shim_events import SHIM_EVENTS
 
-            contract.ON_HANG.setdefault("recover")
-            contract.SHIM_EVENTS.setdefault(root / SHIM_EVENTS)
 
-    # torchrun's own defaulting (torch.distributed.run.run)
+def _preload_shim(root: Path) -> bool:
+    """LD_PRELOAD libintercept into the workers; False (with a line) when it is not built."""
+    lib = _intercept_lib()
+    if lib is None:
+        print("jitrun: warning: libjitintercept.so not found (run `make build` or set "
+              f"{contract.INTERCEPT_LIB.name}); NCCL hangs are then detected by the process group "
+              "timeout only", file=sys.stderr)
+        return False
+    os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
+    # The shim recovers lost collectives and NCCL errors in place; what it cannot
+    # recover falls back to jitckpt's JIT save (Python workers, the hang handler)
+    # or to an exit 75 for a restart (any program).
+    from .shim_events import SHIM_EVENTS
+
+    contract.ON_HANG.setdefault("recover")
+    contract.SHIM_EVENTS.setdefault(root / SHIM_EVENTS)
+    return True
+
+
+def _torchrun_defaults(args) -> None:
+    """torchrun's own defaulting (torch.distributed.run.run), then the network settings it would need."""
+    from torch.distributed.run import parse_min_max_nnodes
+
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
@@ -395,12 +431,16 @@ def run(args) -> int:
     for line in netconf.derive(args, os.environ):
         print(f"jitrun: derived {line}", flush=True)
 
-    config, cmd, cmd_args = config_from_args(args)
+
+def _prepend_pythonpath(path: str) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+
+
+def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) -> tuple:
+    """How each worker starts so jitckpt's runtime is attached before the user's code."""
     migratable = getattr(args, "jit_migratable", "off") == "on"
-    contract.MIGRATABLE.unset()
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
-        pypath = str(Path(__file__).resolve().parent.parent)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [pypath, os.environ.get("PYTHONPATH")]))
+        _prepend_pythonpath(str(Path(__file__).resolve().parent.parent))
         if args.jit_warm_start == "on" and not intercept and not migratable:
             # CUDA and fork do not mix: the GPU path keeps fresh processes.
             from . import warm
@@ -420,8 +460,7 @@ def run(args) -> int:
     elif args.no_python:
         import jitckpt
 
-        autoload = str(Path(jitckpt.__file__).resolve().parent / "_autoload")
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [autoload, os.environ.get("PYTHONPATH")]))
+        _prepend_pythonpath(str(Path(jitckpt.__file__).resolve().parent / "_autoload"))
     if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migrate.py
         from . import migrate
 
@@ -435,18 +474,7 @@ def run(args) -> int:
 
             contract.ON_DEVICE_LOSS.setdefault("migrate")
             contract.DEVICE_DIR.setdefault(device_loss.control_dir(root))
-
-    from .launch import launch
-
-    rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=token, timeout_s=timeout,
-                save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
-                command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
-    if intercept:
-        from .shim_events import collect
-
-        for line in collect(root):
-            print(line, flush=True)
-    return rc
+    return cmd, cmd_args
 
 
 if __name__ == "__main__":

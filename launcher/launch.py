@@ -37,22 +37,8 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
     events.emit("job_start", job_id=job_id, nproc_per_node=config.nproc_per_node,
                 max_restarts=config.max_restarts, timeout_s=timeout_s, jit_dir=str(root),
                 pid=os.getpid())
-    params = rendezvous.RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rdzv_configs)
-    master_addr, master_port = _get_addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    handler = rdzv_registry.get_rendezvous_handler(params)
-    spec = WorkerSpec(
-        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
-        args=tuple(cmd_args), rdzv_handler=handler,
-        max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
-        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler, numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank)
+    spec = _worker_spec(config, cmd, cmd_args)
+    handler = spec.rdzv_handler
     agent = JitAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -61,53 +47,12 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
                        save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
                        health_interval_s=health_interval_s),
         events=events)
-    code = 1
-    shutdown_rdzv = True
+    code, shutdown_rdzv = 1, True
     try:
-        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
-        result = agent.run()
-        if result is None:
-            # torch returns None to a node waiting in the redundancy list when the job's rendezvous closes
-            code = _waited_out(handler, token)
-        else:
-            te_events.record(agent.get_event_succeeded(), config.event_log_handler)
-            code = 1 if result.is_failed() else 0
-            if result.is_failed():
-                err = ChildFailedError(name=entrypoint_name(cmd, cmd_args), failures=result.failures)
-                print(err.format_msg(), file=sys.stderr)
-    except RendezvousTimeoutError:
-        join = rdzv.join_timeout_s(handler)
-        print(f"jitrun: the job could not gather {config.min_nodes} node(s) within the rendezvous join timeout "
-              f"({join:.0f}s): a lost node was not replaced. Start a replacement with the same command, or raise "
-              "the wait with --rdzv-conf join_timeout=SECONDS", file=sys.stderr)
-        code = 1
-    except RendezvousClosedError:
-        code = _waited_out(handler, token)
-    except RendezvousConnectionError as e:
-        print(f"jitrun: the job's rendezvous store went away ({e}) before this node learned the job's outcome; "
-              "see the other nodes' logs", file=sys.stderr)
-        code = 1
-    except Exception as e:
-        if type(e).__name__ == "SignalException":
-            shutdown_rdzv = False
-        print(error_line(e, sched), file=sys.stderr)
-        code = 1
+        code, shutdown_rdzv = _run(agent, handler, config, cmd, cmd_args, token, sched)
     finally:
         stopped = agent.close()
-        waiting = 0
-        if code == 0:
-            rdzv.mark_succeeded(handler, token)  # before the close: what a waiting spare reads
-            waiting = rdzv.waiting_nodes(handler)
-        if shutdown_rdzv:
-            spec.rdzv_handler.shutdown()
-            if waiting:
-                rdzv.wait_outcome_read(handler, token, waiting)
-        else:
-            # torch's heartbeat timer is a daemon thread making store calls: at
-            # interpreter exit it would abort the process (see ReplicaServer.stop)
-            stop = getattr(spec.rdzv_handler, "_stop_heartbeats", None)
-            if stop is not None:
-                stop()
+        _close_rendezvous(handler, token, code, shutdown_rdzv)
         from .ec_clean import free_at_end  # this node's EC chunks go with the job
 
         free_at_end(job_id, events)
@@ -121,6 +66,74 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _worker_spec(config: LaunchConfig, cmd, cmd_args: list) -> WorkerSpec:
+    """What torch.distributed.launcher.api.launch_agent builds for its agent."""
+    params = rendezvous.RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    return WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
+        args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+        master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler, numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank)
+
+
+def _run(agent: JitAgent, handler, config: LaunchConfig, cmd, cmd_args: list, token: str, sched: str
+         ) -> tuple[int, bool]:
+    """The agent's run mapped to (exit code, whether to shut the rendezvous down)."""
+    try:
+        metrics.initialize_metrics(metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        if result is None:
+            # torch returns None to a node waiting in the redundancy list when the job's rendezvous closes
+            return _waited_out(handler, token), True
+        te_events.record(agent.get_event_succeeded(), config.event_log_handler)
+        if result.is_failed():
+            err = ChildFailedError(name=entrypoint_name(cmd, cmd_args), failures=result.failures)
+            print(err.format_msg(), file=sys.stderr)
+            return 1, True
+        return 0, True
+    except RendezvousTimeoutError:
+        join = rdzv.join_timeout_s(handler)
+        print(f"jitrun: the job could not gather {config.min_nodes} node(s) within the rendezvous join timeout "
+              f"({join:.0f}s): a lost node was not replaced. Start a replacement with the same command, or raise "
+              "the wait with --rdzv-conf join_timeout=SECONDS", file=sys.stderr)
+        return 1, True
+    except RendezvousClosedError:
+        return _waited_out(handler, token), True
+    except RendezvousConnectionError as e:
+        print(f"jitrun: the job's rendezvous store went away ({e}) before this node learned the job's outcome; "
+              "see the other nodes' logs", file=sys.stderr)
+        return 1, True
+    except Exception as e:
+        print(error_line(e, sched), file=sys.stderr)
+        return 1, type(e).__name__ != "SignalException"
+
+
+def _close_rendezvous(handler, token: str, code: int, shutdown: bool) -> None:
+    waiting = 0
+    if code == 0:
+        rdzv.mark_succeeded(handler, token)  # before the close: what a waiting spare reads
+        waiting = rdzv.waiting_nodes(handler)
+    if shutdown:
+        handler.shutdown()
+        if waiting:
+            rdzv.wait_outcome_read(handler, token, waiting)
+    else:
+        # torch's heartbeat timer is a daemon thread making store calls: at
+        # interpreter exit it would abort the process (see ReplicaServer.stop)
+        stop = getattr(handler, "_stop_heartbeats", None)
+        if stop is not None:
+            stop()
 
 
 def _waited_out(handler, token: str) -> int:
