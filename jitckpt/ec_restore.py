@@ -69,24 +69,37 @@ def restore(rt: Runtime) -> bool:
 
 
 def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, str]:
-    import torch
-
+    """Bring this rank's stripe of EC ``step`` here (chunks on this node read from /dev/shm, the rest
+    received from the rank that serves them), decode it and publish it as a replica checkpoint."""
+    job = rt.cfg.job_id or "job"
+    inv = ec_files.scan_node(job)
+    commit = next((c for c in inv["commits"] if int(c["step"]) == step), None)
+    invs = g.allgather_json({"node": g.node, "chunks": [c for c in inv["chunks"] if c[0] == step], "commit": commit})
+    rec = commit or next((i["commit"] for i in invs if i["commit"]), None)
+    recvs, local = _exchange(g, job, step, invs)
+    why = _unusable(rec, step, g, rt.shard)
+    if why is not None:
+        for _i, _t, w in recvs:
+            w.wait()
+        return False, why
+    assert rec is not None
+    k, m, size = int(rec["k"]), int(rec["m"]), int(rec["stripes"][str(g.rank)]["size"])
+    got = _valid_chunks(job, g.rank, dict(step=step, rank=g.rank, stripe=0, k=k, m=m, size=size), local, recvs)
+    if len(got) < k:
+        return False, f"{len(got)} valid chunk(s) of rank {g.rank}'s stripe survive, {k} needed"
     from . import ec as _ec
 
-    cfg = rt.cfg
-    job = cfg.job_id or "job"
+    _publish(rt, step, _ec.Codec(k, m).decode(dict(sorted(got.items())[:k]), size))
+    return True, ""
+
+
+def _exchange(g: ec_snapshot.Group, job: str, step: int, invs: list[dict]) -> tuple[list, list[int]]:
+    """Send the chunks this rank serves, post receives for the ones it lacks; every rank computes the same
+    plan (the server of (stripe rank, index) is the lowest rank of a node that lists it). Returns the
+    pending receives (index, tensor, work) and the indices to read from this node."""
+    import torch
+
     d = ec_files.ec_dir(job)
-    inv = ec_files.scan_node(job)
-    mine = [c for c in inv["chunks"] if c[0] == step]
-    commit = next((c for c in inv["commits"] if int(c["step"]) == step), None)
-    invs = g.allgather_json({"node": g.node, "chunks": mine, "commit": commit})
-    rec = commit or next((i["commit"] for i in invs if i["commit"]), None)
-    if rec is None:
-        # still take part in the exchange below (with nothing), so peers do not wait on us
-        k = m = 0
-    else:
-        k, m = int(rec["k"]), int(rec["m"])
-    # who serves (stripe rank, index): the lowest rank of a node that lists it; every rank computes the same
     server: dict[tuple[int, int], tuple[int, int]] = {}  # -> (rank, file size)
     for r, i in enumerate(invs):
         for _s, owner, stripe, index, fsize in i["chunks"]:
@@ -111,25 +124,29 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
             sends.append((t, g.pg.send([t], owner, index)))
     for _t, w in sends:
         w.wait()
+    return recvs, local
+
+
+def _unusable(rec: dict | None, step: int, g: ec_snapshot.Group, shard: str) -> str | None:
+    """Why the commit record of ``step`` cannot restore this rank, or None."""
     if rec is None:
-        for _i, _t, w in recvs:
-            w.wait()
-        return False, f"no commit record of EC step {step} on any node"
-    stripe = rec["stripes"].get(str(me))
+        return f"no commit record of EC step {step} on any node"
+    stripe = rec["stripes"].get(str(g.rank))
     if stripe is None or int(rec["world_size"]) != g.world:
-        for _i, _t, w in recvs:
-            w.wait()
-        return False, f"EC step {step} was taken with {rec['world_size']} ranks, not {g.world}"
-    size = int(stripe["size"])
-    if str(stripe.get("shard")) != rt.shard:
-        for _i, _t, w in recvs:
-            w.wait()
-        return False, f"EC stripe of rank {me} holds shard {stripe.get('shard')!r}, this rank has {rt.shard!r}"
-    expect = dict(step=step, rank=me, stripe=0, k=k, m=m, size=size)
+        return f"EC step {step} was taken with {rec['world_size']} ranks, not {g.world}"
+    if str(stripe.get("shard")) != shard:
+        return f"EC stripe of rank {g.rank} holds shard {stripe.get('shard')!r}, this rank has {shard!r}"
+    return None
+
+
+def _valid_chunks(job: str, me: int, expect: dict, local: list[int], recvs: list) -> dict[int, bytearray]:
+    """Chunk index -> payload of every chunk that passes its header and CRC checks; the rest are lost."""
+    d = ec_files.ec_dir(job)
     got: dict[int, bytearray] = {}
     bad: list[str] = []
     for index in local:
-        name = ec_pack.chunk_name(ec_pack.ChunkTag(job, step, me, 0, index, k, m, size))
+        name = ec_pack.chunk_name(ec_pack.ChunkTag(job, expect["step"], me, 0, index, expect["k"], expect["m"],
+                                                   expect["size"]))
         try:
             _tag, payload = ec_pack.read_chunk(d / name, job, index=index, **expect)
             got[index] = payload
@@ -154,14 +171,17 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
             Path(tmp).unlink(missing_ok=True)
     for b in bad:
         log(f"rank {me}: EC chunk rejected, counted as lost: {b}")
-    if len(got) < k:
-        return False, f"{len(got)} valid chunk(s) of rank {me}'s stripe survive, {k} needed"
-    buf = _ec.Codec(k, m).decode(dict(sorted(got.items())[:k]), size)
+    return got
+
+
+def _publish(rt: Runtime, step: int, buf) -> None:
+    """The decoded stripe as this rank's replica checkpoint of ``step`` (every sha256 checked first)."""
+    cfg = rt.cfg
     old = os.umask(0o077)
     try:
         tmpdir = layout.staging_dir(cfg.root, step, rt.shard, cfg.rank)
         try:
-            ec_pack.unpack(buf, tmpdir)  # every sha256 checked before anything is written
+            ec_pack.unpack(buf, tmpdir)
             layout.publish(tmpdir, root=cfg.root, step=step, shard=rt.shard, rank=cfg.rank,
                            world_size=cfg.world_size, job_id=cfg.job_id,
                            extra={"progress_step": step, "point": "minibatch-start", "source": "ec"})
@@ -170,4 +190,3 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
             raise
     finally:
         os.umask(old)
-    return True, ""

@@ -113,20 +113,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     register_optimizer_step_pre_hook(lambda opt, a, k: rt.on_optimizer_pre())
     register_optimizer_step_post_hook(lambda opt, a, k: rt.on_optimizer_post())
 
-    if not hasattr(DDP.__init__, "__jitckpt_wrapped__"):
-        orig_init = DDP.__init__
-
-        @functools.wraps(orig_init)
-        def ddp_init(self, *args, **kwargs):
-            orig_init(self, *args, **kwargs)
-            self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
-            from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
-
-            track_ddp(self)
-
-        ddp_init.__jitckpt_wrapped__ = orig_init
-        DDP.__init__ = ddp_init
-
+    _hook_ddp_init(rt, DDP)
     orig_backward = torch.autograd.backward
 
     @functools.wraps(orig_backward)
@@ -165,6 +152,24 @@ def install(rt: Runtime, detect: bool = True) -> None:
         prev_hook(tp, exc, tb)
 
     sys.excepthook = excepthook
+
+
+def _hook_ddp_init(rt: Runtime, DDP) -> None:
+    """Every DDP model gets a forward pre-hook (the minibatch start) and is tracked for migration."""
+    if hasattr(DDP.__init__, "__jitckpt_wrapped__"):
+        return
+    orig_init = DDP.__init__
+
+    @functools.wraps(orig_init)
+    def ddp_init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
+        from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
+
+        track_ddp(self)
+
+    ddp_init.__jitckpt_wrapped__ = orig_init
+    DDP.__init__ = ddp_init
 
 
 def _isolate_attempts(attempt: int) -> None:

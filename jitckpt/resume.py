@@ -458,28 +458,12 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     state = {} if state is None else state
     if not isinstance(state, dict):
         raise TypeError(f"jitckpt.resumable: state must be a dict of counters, got {type(state).__name__}")
-    objects: dict[str, Any] = {}
-
-    def add(name: str, obj: Any) -> None:
-        if not _is_stateful(obj):
-            raise TypeError(f"jitckpt.resumable: {name} ({type(obj).__name__}) has no state_dict/load_state_dict")
-        objects[name] = obj
-
     from . import resume_sharded
 
     sharded_model = model if model is not None and resume_sharded.is_sharded(model) else None
-    if model is not None and sharded_model is None:
-        add("model", _unwrap(model))
-    # a sharded (FSDP2) model and its optimizers are resume_sharded's: per-shard DCP files
-    for kind, objs in (("optimizer", None if sharded_model is not None else optimizer), ("scheduler", scheduler),
-                       ("scaler", scaler)):
-        lst = _as_list(objs)
-        for i, o in enumerate(lst):
-            add(kind if len(lst) == 1 else f"{kind}.{i}", o)
-    for name, obj in stateful.items():
-        if name in objects:
-            raise TypeError(f"jitckpt.resumable: {name!r} given twice")
-        add(name, obj)
+    objects = _collect(model=None if sharded_model is not None else model,
+                       optimizer=None if sharded_model is not None else optimizer,
+                       scheduler=scheduler, scaler=scaler, stateful=stateful)
     loaders = _as_list(dataloader)
     if not objects and not loaders and not state and sharded_model is None:
         raise TypeError("jitckpt.resumable: nothing to checkpoint (pass model=, optimizer=, ...)")
@@ -506,6 +490,29 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     if session.sharded is not None:
         resume_sharded.after_restore(session.sharded, rt, path)
     return state
+
+
+def _collect(*, model: Any, optimizer: Any, scheduler: Any, scaler: Any, stateful: dict[str, Any]) -> dict[str, Any]:
+    """Name -> object whose state_dict the save writes (a sharded model and its optimizers are
+    resume_sharded's: per-shard DCP files, so the caller passes None for them)."""
+    objects: dict[str, Any] = {}
+
+    def add(name: str, obj: Any) -> None:
+        if not _is_stateful(obj):
+            raise TypeError(f"jitckpt.resumable: {name} ({type(obj).__name__}) has no state_dict/load_state_dict")
+        objects[name] = obj
+
+    if model is not None:
+        add("model", _unwrap(model))
+    for kind, objs in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+        lst = _as_list(objs)
+        for i, o in enumerate(lst):
+            add(kind if len(lst) == 1 else f"{kind}.{i}", o)
+    for name, obj in stateful.items():
+        if name in objects:
+            raise TypeError(f"jitckpt.resumable: {name!r} given twice")
+        add(name, obj)
+    return objects
 
 
 def _reset_for_tests() -> None:

@@ -350,24 +350,8 @@ class ShardedState:
                                f"{sorted(set(msd) - set(meta['model_keys']))[:5]})")
         target: dict[str, Any] = {"model": msd, "optim": {}}
         for i, om in enumerate(meta["optimizers"]):
-            if om["empty"]:
-                continue
-            slots: dict[str, dict] = {}
-            for f, keys in om["tensor_keys"].items():
-                param = self.model_objs[f]
-                slots[f] = {}
-                for k, is_dtensor in keys.items():
-                    tmd = md.state_dict_metadata.get(f"optim.{i}.{f}.{k}")
-                    if tmd is None or not hasattr(tmd, "size"):
-                        raise RuntimeError(f"jitckpt.resumable: {path} lacks optimizer tensor {f}.{k}")
-                    if is_dtensor:
-                        if tuple(tmd.size) != tuple(param.shape):
-                            raise RuntimeError(f"jitckpt.resumable: optimizer tensor {f}.{k} in {path} has shape "
-                                               f"{tuple(tmd.size)}, its parameter {tuple(param.shape)}")
-                        slots[f][k] = torch.empty_like(param, dtype=tmd.properties.dtype)  # a DTensor: its shard
-                    else:
-                        slots[f][k] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)  # e.g. Adam's step
-            target["optim"][str(i)] = {f: s for f, s in slots.items() if s}
+            if not om["empty"]:
+                target["optim"][str(i)] = self._optim_slots(path, md, i, om)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
             dcp.load(target, storage_reader=_safe_reader(reader_path), planner=_load_planner(), no_dist=True)
@@ -387,6 +371,27 @@ class ShardedState:
             if not opt.state:
                 opt.state[opt.param_groups[0]["params"][0]] = {}
             set_optimizer_state_dict(self.model, opt, {"state": state, "param_groups": om["param_groups"]})
+
+
+    def _optim_slots(self, path: str, md: Any, i: int, om: dict) -> dict[str, dict]:
+        """Empty tensors for optimizer ``i``'s saved state, shaped as DCP's metadata says (a DTensor
+        parameter's state as its shard), for dcp.load to fill in place."""
+        slots: dict[str, dict] = {}
+        for f, keys in om["tensor_keys"].items():
+            param = self.model_objs[f]
+            slots[f] = {}
+            for k, is_dtensor in keys.items():
+                tmd = md.state_dict_metadata.get(f"optim.{i}.{f}.{k}")
+                if tmd is None or not hasattr(tmd, "size"):
+                    raise RuntimeError(f"jitckpt.resumable: {path} lacks optimizer tensor {f}.{k}")
+                if is_dtensor:
+                    if tuple(tmd.size) != tuple(param.shape):
+                        raise RuntimeError(f"jitckpt.resumable: optimizer tensor {f}.{k} in {path} has shape "
+                                           f"{tuple(tmd.size)}, its parameter {tuple(param.shape)}")
+                    slots[f][k] = torch.empty_like(param, dtype=tmd.properties.dtype)  # a DTensor: its shard
+                else:
+                    slots[f][k] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)  # e.g. Adam's step
+        return {f: s for f, s in slots.items() if s}
 
 
 # -- runtime hooks ---------------------------------------------------------------
