@@ -42,12 +42,14 @@ build: setup
 
 lint: setup
 	$(PY) -m ruff check jitckpt launcher scripts tests
+	$(PY) scripts/check_structure.py
 
 # Two tests at a time: most of the suite waits on process start-up, timeouts and
 # sleeps, not on the 2 cores; the suite's 15 slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
+	$(PY) scripts/check_structure.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
 
 test-fast: build

@@ -165,7 +165,6 @@ def publish(store, token: str, root: Path, ranks: dict, store_addr: tuple[str, i
 def main(argv: list[str]) -> int:
     """``jitrun migrate``: ask a running job to move ranks to another node, and wait."""
     import argparse
-    from datetime import timedelta
 
     ap = argparse.ArgumentParser(prog="jitrun migrate", description=(
         "Move live workers of a running `jitrun --jit-migratable on` job to another node at their next "
@@ -179,52 +178,78 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--to", required=True, help="address (--local-addr) of the node that takes them")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the outcome")
     args = ap.parse_args(argv)
-    ctl = Path(args.jit_dir) / "migrate" / CONTROL
+    c = _read_control(Path(args.jit_dir) / "migrate" / CONTROL)
+    if c is None:
+        return 2
+    store = _connect(c)
+    if store is None:
+        return 2
+    token = c["token"]
+    ranks = _ranks_to_move(store, token, args.node) if args.node else sorted(set(args.rank))
+    if not ranks:
+        print(f"jitrun migrate: error: no rank of this job runs on node {args.node}", file=sys.stderr)
+        return 2
+    gen = request(store, token, ranks, args.to)
+    print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for every rank to pause at a "
+          "minibatch start", flush=True)
+    return _wait_outcome(store, token, gen, ranks, args.to, args.timeout)
+
+
+def _read_control(ctl: Path) -> dict | None:
+    """The job's migration control record on this node, or None after a line saying why."""
     try:
         c = json.loads(ctl.read_text())
     except FileNotFoundError:
         print(f"jitrun migrate: error: {ctl} not found: no job started with --jit-migratable on uses this "
               "--jit-dir on this node", file=sys.stderr)
-        return 2
+        return None
     except (OSError, ValueError) as e:
         print(f"jitrun migrate: error: {ctl}: {e}", file=sys.stderr)
-        return 2
+        return None
     if not c.get("pausable", True):
         print("jitrun migrate: error: this job's workers run a program without jitckpt's Python runtime "
               "(--no-python), so they have no minibatch start to pause at; jitrun migrate moves Python "
               "workers only (a lost device is still moved: JITCKPT_ON_DEVICE_LOSS=migrate)", file=sys.stderr)
-        return 2
+        return None
+    return c
+
+
+def _connect(c: dict):
+    """A client of the job's store, or None after a line saying why."""
     import socket
+    from datetime import timedelta
 
     import torch.distributed as dist
 
     try:  # a quiet look first: TCPStore's own connect failure prints a C++ backtrace
         socket.create_connection((c["store"][0], int(c["store"][1])), timeout=5).close()
-        store = dist.TCPStore(c["store"][0], int(c["store"][1]), is_master=False,
-                              timeout=timedelta(seconds=10), wait_for_workers=False)
+        return dist.TCPStore(c["store"][0], int(c["store"][1]), is_master=False,
+                             timeout=timedelta(seconds=10), wait_for_workers=False)
     except Exception as e:
         print(f"jitrun migrate: error: the job's store {c['store'][0]}:{c['store'][1]} is unreachable ({e}); "
               "is the job still running?", file=sys.stderr)
-        return 2
-    token = c["token"]
+        return None
+
+
+def _ranks_to_move(store, token: str, node: str) -> list[int]:
     from jitckpt import auth
 
     a = auth.of(token)
-    if args.node:
-        ranks, r = [], 0
-        while store.check([key(token, "where", r)]):  # ranks are 0..world-1
-            if a.get(store, f"where rank {r} runs", "migrate", "where", r) == args.node:
-                ranks.append(r)
-            r += 1
-        if not ranks:
-            print(f"jitrun migrate: error: no rank of this job runs on node {args.node}", file=sys.stderr)
-            return 2
-    else:
-        ranks = sorted(set(args.rank))
-    gen = request(store, token, ranks, args.to)
-    print(f"jitrun migrate: migration {gen}: ranks {ranks} -> {args.to}; waiting for every rank to pause at a "
-          "minibatch start", flush=True)
-    deadline = time.monotonic() + args.timeout
+    ranks, r = [], 0
+    while store.check([key(token, "where", r)]):  # ranks are 0..world-1
+        if a.get(store, f"where rank {r} runs", "migrate", "where", r) == node:
+            ranks.append(r)
+        r += 1
+    return ranks
+
+
+def _wait_outcome(store, token: str, gen: int, ranks: list[int], to: str, timeout: float) -> int:
+    import torch.distributed as dist
+
+    from jitckpt import auth
+
+    a = auth.of(token)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             why = a.get(store, f"failure of migration {gen}", "migrate", gen, "failed")
@@ -233,13 +258,13 @@ def main(argv: list[str]) -> int:
                       "job takes a JIT checkpoint and restarts", file=sys.stderr)
                 return 1
             if a.get(store, f"resume of migration {gen}", "migrate", gen, "resume") is not None:
-                print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {args.to}")
+                print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {to}")
                 return 0
         except dist.DistError as e:  # the store's host ended: the job finished or restarted meanwhile
             print(f"jitrun migrate: the job's store closed before migration {gen} had an outcome ({e}); the job "
                   "ended or restarted: see its events.jsonl", file=sys.stderr)
             return 1
         time.sleep(0.1)
-    print(f"jitrun migrate: no outcome of migration {gen} within {args.timeout:g}s (see the job's events.jsonl)",
+    print(f"jitrun migrate: no outcome of migration {gen} within {timeout:g}s (see the job's events.jsonl)",
           file=sys.stderr)
     return 1

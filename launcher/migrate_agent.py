@@ -56,7 +56,7 @@ from pathlib import Path
 
 from jitckpt import auth, contract, layout, migrate_worker
 
-from . import criu, migrate, peer_files, transfer
+from . import criu, migrate, peer_files, stream, transfer
 from .events import EventLog
 from .migration import device_loss
 
@@ -179,7 +179,7 @@ def ship(coord_store, token: str, images: Path, output: str | None, to: str, bod
     seq = coord_store.add(_k(token, "to", to, "n"), 1)
     _put(coord_store, token, {"id": tid, "files": [[rel, p.stat().st_size] for rel, p in files], "output": output,
                               "manifest_sha256": criu_manifest_sha(images), **body}, "to", to, seq)
-    sent = transfer.send_stream(to, got["port"], token, tid, files, timeout_s=restore_timeout_s())
+    sent = stream.send_stream(to, got["port"], token, tid, files, timeout_s=restore_timeout_s())
     t_sent = time.monotonic()
     return Shipped(tid, sent, t_sent, _wait_answer(coord_store, token, tid, restore_timeout_s()))
 
@@ -292,7 +292,7 @@ class Target:
     def __init__(self, store, token: str, node: str, root: Path, events: EventLog) -> None:
         self._store = transfer.own_connection(store, 30.0)
         # images come straight from the source agent, on this node's job address
-        self._listener = transfer.listen(node)
+        self._listener = stream.listen(node)
         _put(self._store, token, {"port": self._listener.getsockname()[1]}, "to", node, "port")
         self._conn_of = store
         self._token = token
@@ -398,7 +398,7 @@ class Target:
         helper = subprocess.Popen(criu.restore_and_wait_command(), stdout=subprocess.PIPE, stdin=subprocess.PIPE,
                                   start_new_session=True)
         try:
-            transfer.recv_stream(self._listener, self._token, tid, files, stage, restore_timeout_s())
+            stream.recv_stream(self._listener, self._token, tid, files, stage, restore_timeout_s())
             t_recv = time.monotonic()
             images = stage / "img"
             if hashlib.sha256((images / criu.MANIFEST).read_bytes()).hexdigest() != req["manifest_sha256"]:
@@ -431,21 +431,7 @@ class Target:
         self.helpers.append(helper)
         _, pid, secs = line.split()
         shutil.rmtree(base, ignore_errors=True)  # CRIU needs the images no more
-        if "device" in req:
-            # a parked process whose device died (device_loss.py): it attaches this one
-            dev = req["device"]
-            here = device_loss.control_dir(self._root)
-            layout.makedirs_private(here)
-            device_loss.answer(here, device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()), str(dev["uuid"]))
-        else:
-            env = {contract.NODE.name: self._node}
-            for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
-                if k in os.environ:
-                    env[k] = os.environ[k]
-            body = {**req["resume"], "env": env}
-            tmp = ctl / f".resume-{gen}.tmp"
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, ctl / f"resume-{gen}.json")
+        self._hand_over(req, rank, gen)
         self._answer(tid, {"ok": True, "pid": int(pid), "restore_s": float(secs),
                            "recv_s": round(t_recv - t0, 4), "node": self._node})
         self._events.emit("migration_arrived", gen=gen, rank=rank, pid=int(pid), restore_s=float(secs),
@@ -454,6 +440,25 @@ class Target:
                                  "migrated_in": True})
         threading.Thread(target=self._watch_restored, args=(helper, tid, rank, int(pid)), daemon=True,
                          name=f"jitrun-migrated-rank{rank}").start()
+
+    def _hand_over(self, req: dict, rank: int, gen: int) -> None:
+        """Tell the restored process how to go on: a parked process whose device died
+        attaches the device named in the request (device_loss.py); a migrated worker
+        reads its resume file (the job's store prefix, this node's network settings)."""
+        if "device" in req:
+            dev = req["device"]
+            here = device_loss.control_dir(self._root)
+            layout.makedirs_private(here)
+            device_loss.answer(here, device_loss.Request(rank, 0, int(dev["epoch"]), "", Path()), str(dev["uuid"]))
+            return
+        env = {contract.NODE.name: self._node}
+        for k in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+            if k in os.environ:
+                env[k] = os.environ[k]
+        ctl = self._root / "migrate" / "ctl" / f"rank{rank}"
+        tmp = ctl / f".resume-{gen}.tmp"
+        tmp.write_text(json.dumps({**req["resume"], "env": env}))
+        os.replace(tmp, ctl / f"resume-{gen}.json")
 
     def _record_rank(self, rank: int, entry: dict | None) -> None:
         """Where a migrated-in rank runs now, in this node's ranks.json."""

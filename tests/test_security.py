@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
-from jitrun import decide, migrate, migrate_agent, transfer
+from jitrun import decide, migrate, migrate_agent, stream, transfer
 from jitrun.events import EventLog
 
 from jitckpt import auth, consistency, contract, ec_files, layout, migrate_worker
@@ -277,7 +277,7 @@ def test_replica_transfer_trickle_is_cut_at_the_deadline(store, tmp_path):
 def _stream_receiver(srv, tid, files, dest, timeout_s, result):
     def run():
         try:
-            result["got"] = transfer.recv_stream(srv, TOKEN, tid, files, dest, timeout_s)
+            result["got"] = stream.recv_stream(srv, TOKEN, tid, files, dest, timeout_s)
         except Exception as e:  # noqa: BLE001 (reported to the test)
             result["error"] = e
     th = threading.Thread(target=run, daemon=True)
@@ -286,14 +286,14 @@ def _stream_receiver(srv, tid, files, dest, timeout_s, result):
 
 
 def test_idle_connection_does_not_delay_a_real_sender(tmp_path):
-    srv = transfer.listen("127.0.0.1")
+    srv = stream.listen("127.0.0.1")
     port = srv.getsockname()[1]
     (tmp_path / "f").write_bytes(b"a" * 100_000)
     files = [("img/f", 100_000)]
     result: dict = {}
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]  # connect and say nothing
     th = _stream_receiver(srv, "t1", files, tmp_path / "dst", 60.0, result)
-    transfer.send_stream("127.0.0.1", port, TOKEN, "t1", [("img/f", tmp_path / "f")], timeout_s=30)
+    stream.send_stream("127.0.0.1", port, TOKEN, "t1", [("img/f", tmp_path / "f")], timeout_s=30)
     th.join(20)
     assert not th.is_alive() and "error" not in result, result  # done while the idle ones still wait
     assert (tmp_path / "dst" / "img" / "f").read_bytes() == b"a" * 100_000
@@ -303,14 +303,14 @@ def test_idle_connection_does_not_delay_a_real_sender(tmp_path):
 
 
 def test_trickling_stream_sender_is_cut_at_the_deadline(tmp_path):
-    srv = transfer.listen("127.0.0.1")
+    srv = stream.listen("127.0.0.1")
     port = srv.getsockname()[1]
     files = [("img/f", 1000)]
     result: dict = {}
     t0 = time.monotonic()
     th = _stream_receiver(srv, "t2", files, tmp_path / "dst", 2.0, result)
     with socket.create_connection(("127.0.0.1", port)) as conn:
-        conn.sendall(json.dumps(transfer._header(TOKEN, "t2", files)).encode() + b"\n")
+        conn.sendall(json.dumps(stream._header(TOKEN, "t2", files)).encode() + b"\n")
         for _ in range(1000):  # 1 byte every 0.3 s: 300 s for the file
             if not th.is_alive():
                 break
@@ -394,7 +394,7 @@ def test_migration_target_takes_the_mode_of_its_own_and_refuses_a_requested_one(
         # a well-formed request: the file lands 0600 whatever its mode was on the source
         port = auth.of(TOKEN).get(c, "port", "mig", "to", "127.0.0.1", "port")["port"]
         tid = _request(c, body)
-        transfer.send_stream("127.0.0.1", port, TOKEN, tid, files, timeout_s=20)
+        stream.send_stream("127.0.0.1", port, TOKEN, tid, files, timeout_s=20)
         got = _answer(c, tid)
     finally:
         target.stop()

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from jitrun import transfer
+from jitrun import stream, transfer
 
 TOKEN = "t0ken-0123456789abcdef"
 
@@ -31,7 +31,7 @@ def _files(tmp: Path) -> list[tuple[str, Path]]:
 
 def _receive(srv, tid, dest: Path, result: dict, files: list[tuple[str, int]]) -> None:
     try:
-        result["got"] = transfer.recv_stream(srv, TOKEN, tid, files, dest, 20.0)
+        result["got"] = stream.recv_stream(srv, TOKEN, tid, files, dest, 20.0)
     except Exception as e:  # noqa: BLE001 (reported to the test)
         result["error"] = e
 
@@ -51,11 +51,11 @@ def _splice_refused_by(side: str):
 @pytest.mark.parametrize("splice", ["yes", "missing", "socket-refuses", "file-refuses"])
 def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, splice):
     if splice == "missing":  # a Python or kernel without splice(): the recv(MSG_WAITALL) path
-        monkeypatch.setattr(transfer, "_splice_pipe", lambda: None)
+        monkeypatch.setattr(stream, "_splice_pipe", lambda: None)
     elif splice != "yes":  # EINVAL from splice (socket or file system without it): recv from there on
         monkeypatch.setattr(os, "splice", _splice_refused_by(splice.split("-")[0]))
     files = _files(tmp_path)
-    srv = transfer.listen("127.0.0.1")
+    srv = stream.listen("127.0.0.1")
     port = srv.getsockname()[1]
     dest = tmp_path / "dst"
     result: dict = {}
@@ -65,12 +65,12 @@ def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, s
     try:
         # a header sealed under another token, one for another transfer, and one naming other
         # files: closed, the wait goes on
-        for head in (transfer._header("another-token-0123456789", "tid-1", sizes),
-                     transfer._header(TOKEN, "tid-other", sizes), transfer._header(TOKEN, "tid-1", sizes[:1])):
+        for head in (stream._header("another-token-0123456789", "tid-1", sizes),
+                     stream._header(TOKEN, "tid-other", sizes), stream._header(TOKEN, "tid-1", sizes[:1])):
             with socket.create_connection(("127.0.0.1", port)) as c:
                 c.sendall(json.dumps(head).encode() + b"\n")
                 assert c.recv(1) == b""  # the receiver hung up on it
-        sent = transfer.send_stream("127.0.0.1", port, TOKEN, "tid-1", files, timeout_s=20.0)
+        sent = stream.send_stream("127.0.0.1", port, TOKEN, "tid-1", files, timeout_s=20.0)
         th.join(30)
     finally:
         srv.close()
@@ -84,14 +84,14 @@ def test_stream_delivers_every_file_and_skips_strangers(tmp_path, monkeypatch, s
 
 
 def test_sender_that_stops_short_is_an_error(tmp_path):
-    srv = transfer.listen("127.0.0.1")
+    srv = stream.listen("127.0.0.1")
     port = srv.getsockname()[1]
     result: dict = {}
     th = threading.Thread(target=_receive, args=(srv, "tid-2", tmp_path / "dst", result, [("img/a", 1000)]))
     th.start()
     try:
         with socket.create_connection(("127.0.0.1", port)) as c:
-            c.sendall(json.dumps(transfer._header(TOKEN, "tid-2", [("img/a", 1000)])).encode() + b"\n")
+            c.sendall(json.dumps(stream._header(TOKEN, "tid-2", [("img/a", 1000)])).encode() + b"\n")
             c.sendall(b"y" * 10)
         th.join(30)
     finally:
@@ -101,9 +101,9 @@ def test_sender_that_stops_short_is_an_error(tmp_path):
 
 
 def test_unreachable_receiver_is_a_transfer_error(tmp_path):
-    srv = transfer.listen("127.0.0.1")
+    srv = stream.listen("127.0.0.1")
     port = srv.getsockname()[1]
     srv.close()
     (tmp_path / "f").write_bytes(b"z")
     with pytest.raises(transfer.TransferError, match="streaming to 127.0.0.1"):
-        transfer.send_stream("127.0.0.1", port, TOKEN, "tid-3", [("img/f", tmp_path / "f")], timeout_s=5.0)
+        stream.send_stream("127.0.0.1", port, TOKEN, "tid-3", [("img/f", tmp_path / "f")], timeout_s=5.0)
