@@ -53,7 +53,8 @@ PAUSED = "paused-{gen}.json"
 
 def inventory() -> dict:
     """What this process holds that matters for a dump: sockets (by kind), pipes,
-    files under /dev/shm, thread count."""
+    files under /dev/shm, thread count. Read from /proc by hand: psutil lists inet
+    sockets and regular files, not pipes, unix sockets or anon inodes."""
     inet = set()
     for proto in ("tcp", "tcp6", "udp", "udp6"):
         try:

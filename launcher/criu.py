@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from jitckpt import contract, layout
 
 VERSION = "4.1.1"
@@ -159,11 +161,11 @@ def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            kids = Path(f"/proc/{outer_pid}/task/{outer_pid}/children").read_text().split()
-        except FileNotFoundError:
+            kids = psutil.Process(outer_pid).children()
+        except psutil.NoSuchProcess:
             raise CriuError(f"unshare (PID {outer_pid}) exited before its worker started") from None
         if kids:
-            return int(kids[0])
+            return kids[0].pid
         if time.monotonic() > deadline:
             raise CriuError(f"unshare (PID {outer_pid}) started no worker within {timeout:g}s")
         time.sleep(0.01)

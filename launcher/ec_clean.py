@@ -114,11 +114,13 @@ def _running(root: Path) -> int | None:
         return None
     if not isinstance(pid, int) or pid <= 0:
         return None
+    import psutil
+
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return None  # gone (or not visible here)
-    return pid if b"jitrun" in cmd or b"launcher" in cmd else None
+    return pid if "jitrun" in cmd or "launcher" in cmd else None
 
 
 def _build_parser() -> argparse.ArgumentParser:

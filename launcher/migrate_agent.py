@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
+
 from jitckpt import auth, contract, layout, migrate_worker
 
 from . import criu, migrate, peer_files, stream, transfer
@@ -226,7 +228,7 @@ def _wait_paused(path: Path, pid: int) -> dict:
             return json.loads(path.read_text())
         except (FileNotFoundError, ValueError):
             pass
-        if not Path(f"/proc/{pid}").exists():
+        if not psutil.pid_exists(pid):
             raise MigrationError("pause", f"the worker (PID {pid}) ended before it paused")
         if time.monotonic() > deadline:
             raise MigrationError("pause", f"no {path} within {PAUSED_TIMEOUT_S:.0f}s")
