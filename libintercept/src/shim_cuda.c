@@ -251,7 +251,10 @@ static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event
        * guards the collective(s) before it: watch it. */
       if (rs != (void *)stream && atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) &&
           ji_is_nccl_stream((cudaStream_t)rs))
-        ji_wd_stream_wait(stream, ve);
+      {
+        ji_watch_stream_wait(stream, ve);
+        ji_wd_start();
+      }
     }
     if (ji_log_on()) {
       ji_rec *rec = ji_log_reserve(id, 3, 0);

@@ -17,7 +17,7 @@
  *   3. attaches the new device and re-makes every live allocation at the
  *      address the application holds (on the stand-in jitsimMallocAt; on a GPU
  *      that would be cuMemAddressReserve at the old address + cuMemCreate/Map,
- *      not implemented: such a rank falls back), and the watchdog's own objects.
+ *      not implemented: such a rank falls back), and the shim's own stream and events.
  * After every rank joined and the communicators are new, all ranks read who
  * lost its device and where each stands (minibatch, optimizer phase), and
  * decide alike: the lowest healthy rank is the donor; it sends every live
@@ -210,7 +210,7 @@ static const char *park_and_replace(int rank, int epoch, double bound_s, const c
   snprintf(json, sizeof json,
            "{\"event\": \"shim_device_lost\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, \"device\": \"%s\"}",
            wall(), rank, (int)getpid(), epoch, old);
-  ji_wd_write_event(json);
+  ji_event_write(json);
 
   /* Wall clock: CLOCK_MONOTONIC does not carry over to another machine. */
   char uuid[64];
@@ -237,12 +237,12 @@ static const char *park_and_replace(int rank, int epoch, double bound_s, const c
   ji_tls_depth--;
   free(k);
   if (why) return why;
-  ji_wd_device_replaced();
+  ji_pool_device_replaced();
   snprintf(json, sizeof json,
            "{\"event\": \"shim_device_replaced\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, "
            "\"device\": \"%s\", \"old_device\": \"%s\", \"allocations\": %zu, \"parked_s\": %.6f}",
            wall(), rank, (int)getpid(), epoch, uuid, old, n, wall() - parked);
-  ji_wd_write_event(json);
+  ji_event_write(json);
   return NULL;
 }
 

@@ -46,7 +46,7 @@ static void recreate_event(ji_vh *v, void *p) {
 
 JI_API int jitintercept_recreate_handles(int destroy_old) {
   struct rc_arg a = {destroy_old, 0, 0};
-  ji_wd_reset();
+  ji_watch_reset();
   ji_tls_depth++;
   ji_vh_foreach(JI_VK_STREAM, recreate_stream, &a);
   ji_vh_foreach(JI_VK_EVENT, recreate_event, &a);
@@ -65,7 +65,7 @@ JI_API int jitintercept_comm_recreate(void *comm, const void *unique_id) {
   ncclUniqueId id;
   memcpy(&id, unique_id, sizeof id);
   ncclComm_t fresh = NULL;
-  ji_wd_comm_remove(v);
+  ji_comms_remove(v);
   ji_tls_depth++;
   /* Abort first: the old communicator may be stuck in a collective and its
    * streams blocked; abort is the call that unblocks them. */
@@ -82,6 +82,6 @@ JI_API int jitintercept_comm_recreate(void *comm, const void *unique_id) {
   }
   ci->id = id;
   atomic_store(&v->phys, (void *)fresh);
-  ji_wd_comm_add(v);
+  ji_comms_add(v);
   return r;
 }

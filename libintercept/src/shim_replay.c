@@ -81,26 +81,11 @@ ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
   return r;
 }
 
-static void reissue(ji_rec *r);
-
-void ji_log_commit(ji_rec *r) {
-  size_t sz = (sizeof(ji_rec) + (size_t)r->nargs * 8 + r->blob_len + 7) & ~(size_t)7;
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)sz, memory_order_release);
-  if (JI_UNLIKELY(ji_tls_reissue)) { /* this call failed with the lost device: do it now, on the new one */
-    ji_tls_reissue = 0;
-    reissue(r);
-  }
-}
-
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
 
-JI_API void jitintercept_minibatch_begin(void) {
-  /* Collectives issued in the previous optimizer phase (a grad-norm
-   * all-reduce on the compute stream, say) must be known good before the log
-   * is reset: a fault in them falls back instead of being replayed wrongly. */
-  if (ji_rcv_mode && atomic_load(&ji_opt_in_mb)) ji_rcv_quiesce();
+int ji_log_new_minibatch(void) {
   if (!atomic_load(&ji_log_armed)) {
-    if (!log_arm()) return;
+    if (!log_arm()) return 0;
     atomic_store(&ji_log_armed, 1);
   }
   atomic_fetch_add(&log_epoch, 1);
@@ -108,8 +93,7 @@ JI_API void jitintercept_minibatch_begin(void) {
   atomic_store(&log_overflow, 0);
   atomic_store(&log_incomplete, 0);
   atomic_store(&log_synced, 0);
-  atomic_store(&ji_opt_in_mb, 0);
-  atomic_store(&ji_discard, 0); /* a lost-device recovery's skip ends here */
+  return 1;
 }
 
 uint64_t ji_log_tail_now(void) {
@@ -602,7 +586,7 @@ static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, 
     /* asynchronous, like the original call */
   } else if (deadline > 0) {
     ji_tls_depth--;
-    int d = ji_rcv_drain(deadline);
+    int d = ji_drain_streams(deadline);
     ji_tls_depth++;
     if (d && !status) status = d < 0 ? -3 : d;
   } else {
@@ -618,11 +602,9 @@ static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, 
 
 int ji_replay_run(uint64_t end, int *nrec, double deadline) { return replay_range(0, end, nrec, deadline, 0); }
 
-JI_TLS int ji_tls_reissue;
-
-static void reissue(ji_rec *r) {
+int ji_replay_record(ji_rec *r) {
   uint64_t off = (uint64_t)((unsigned char *)r - log_base);
   int n = 0;
   int st = replay_range(off, off + r->size, &n, 0, 1);
-  if (st || n != 1) ji_rcv_reissue_failed(st ? st : -1);
+  return st ? st : n != 1 ? -1 : 0;
 }

@@ -198,3 +198,45 @@ void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
     if (v->kind == kind && atomic_load(&v->phys)) fn(v, arg);
   }
 }
+
+/* ---- NCCL streams ----
+ * A stream record carries JI_VH_NCCL once a collective ran on it. NCCL
+ * streams that have no record (stream 0, per-thread, created before the
+ * shim): few, so a small append-only array scanned linearly. */
+#define NV_MAX 32
+static _Atomic(void *) nv_streams[NV_MAX];
+static _Atomic int nv_n;
+
+void ji_mark_nccl_stream(cudaStream_t s, int coll) {
+  ji_vh *v = ji_slot(s);
+  if (v) {
+    if (!(atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL))
+      atomic_fetch_or(&v->sflags, JI_VH_NCCL);
+    atomic_store_explicit(&v->last_coll, (uint32_t)coll, memory_order_relaxed);
+    return;
+  }
+  if (ji_is_nccl_stream(s)) return;
+  int i = atomic_fetch_add(&nv_n, 1);
+  if (i < NV_MAX) atomic_store(&nv_streams[i], (void *)s);
+}
+
+int ji_is_nccl_stream(cudaStream_t s) {
+  ji_vh *v = ji_slot(s);
+  if (v) return (atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL) != 0;
+  int n = atomic_load_explicit(&nv_n, memory_order_relaxed);
+  if (n > NV_MAX) n = NV_MAX;
+  for (int i = 0; i < n; i++)
+    if (atomic_load_explicit(&nv_streams[i], memory_order_relaxed) == (void *)s) return 1;
+  return 0;
+}
+
+void ji_nccl_nv_streams(void **out, int *n, int max) {
+  int m = atomic_load(&nv_n);
+  if (m > NV_MAX) m = NV_MAX;
+  for (int i = 0; i < m; i++) {
+    void *s = atomic_load(&nv_streams[i]);
+    int dup = 0;
+    for (int j = 0; j < *n; j++) dup |= out[j] == s;
+    if (!dup && *n < max) out[(*n)++] = s;
+  }
+}
