@@ -470,6 +470,9 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   ji_watch_reset();
   atomic_fetch_add(&n_recovered, 1);
   emit(&ri);
+  /* Open the trigger latch before any application thread passes the gate:
+   * a collective it issues while the latch is closed would go unwatched. */
+  ji_trigger_release();
   tls_coord = 0;
   atomic_store(&busy, 0);
   gate_down();

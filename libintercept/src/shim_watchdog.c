@@ -64,9 +64,10 @@ static void fire(const char *kind, const ji_watch *e, double waited, int code, c
                           : !strcmp(what, "ncclCommGetAsyncError") ? "nccl_async_error"
                                                                    : "cuda_error",
                   .source = what, .code = code, .coll = e ? e->coll : -1, .waited = waited};
-    /* Returns when recovered, joined another thread's recovery, or postponed
+    /* Returns when recovered (the recovery opened the latch again before
+     * lowering its gate), joined another thread's recovery, or postponed
      * (another thread is inside an NCCL group: the next poll detects it
-     * again); a fallback never returns. Either way the latch opens again. */
+     * again); a fallback never returns. */
     ji_rcv_watchdog(&f);
     ji_trigger_release();
     return;
