@@ -59,9 +59,9 @@ int ji_comms_async_error(int *rank) {
     void *pc = atomic_load(&comms[i]->phys);
     ncclResult_t ar = ncclSuccess;
     if (!pc) continue;
-    ji_tls_depth++;
+    ji_tls.depth++;
     ncclResult_t rr = ge((ncclComm_t)pc, &ar);
-    ji_tls_depth--;
+    ji_tls.depth--;
     if (rr == ncclSuccess && ar != ncclSuccess && ar != ncclInProgress) err = (int)ar, *rank = ji_comm_rank(comms[i]);
   }
   pthread_mutex_unlock(&comms_mu);

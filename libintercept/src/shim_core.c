@@ -16,7 +16,7 @@
 #include "shim_internal.h"
 
 _Atomic(void *) ji_real_fns[JI_N_SYMS];
-JI_TLS ji_cblock *ji_tls_cnt;
+JI_TLS ji_thread ji_tls;
 static _Atomic(ji_cblock *) cblocks;
 
 ji_cblock *ji_cblock_new(void) {
@@ -25,7 +25,7 @@ ji_cblock *ji_cblock_new(void) {
   ji_cblock *head = atomic_load(&cblocks);
   do b->next = head;
   while (!atomic_compare_exchange_weak(&cblocks, &head, b));
-  ji_tls_cnt = b;
+  ji_tls.cnt = b;
   return b;
 }
 
@@ -54,11 +54,6 @@ _Static_assert(sizeof(((ji_cblock *)0)->c) / sizeof(uint64_t) == sizeof(ji_names
                "one counter per table entry");
 
 _Atomic uint64_t ji_stats[JI_ST_N];
-JI_TLS int ji_tls_depth;
-JI_TLS int ji_tls_trigger;
-JI_TLS int ji_tls_log_off;
-JI_TLS int ji_tls_reissue;
-JI_TLS int ji_tls_in_block;
 
 double ji_now(void) {
   struct timespec ts;
@@ -175,7 +170,7 @@ JI_API int64_t jitintercept_stat(const char *name) {
   return -1;
 }
 
-JI_API void jitintercept_log_suspend(int on) { ji_tls_log_off = on; }
+JI_API void jitintercept_log_suspend(int on) { ji_tls.log_off = on; }
 
 /* JITCKPT_COUNTERS_DUMP: counters written at exit, so a program that knows
  * nothing about the shim (the real-libcudart test) can still be inspected. */

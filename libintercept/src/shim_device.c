@@ -179,9 +179,9 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   const char *(*uuid_of)(void) = (const char *(*)(void))sim_sym("jitsimDeviceUuid");
   char old[64];
   snprintf(old, sizeof old, "%s", uuid_of ? uuid_of() : "?");
-  ji_tls_depth++;
+  ji_tls.depth++;
   detach();
-  ji_tls_depth--;
+  ji_tls.depth--;
   ji_store_close();
 
   /* A launcher may make the process die with its parent (jitrun's migratable
@@ -224,17 +224,17 @@ static const char *park_and_replace(int rank, int epoch, double bound_s, const c
   if (got == 2) return refused;
   memcpy(uuid, refused, sizeof uuid); /* read_resume: a uuid is under 64 bytes */
   uuid[sizeof uuid - 1] = 0;
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = replace(uuid);
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (r != cudaSuccess) return "device lost: attaching the new device failed";
   ji_alloc_key *k;
   size_t n = ji_alloc_keys(&k);
   const char *why = NULL;
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (size_t i = 0; i < n && !why; i++)
     if (malloc_at(k[i].p, k[i].n) != cudaSuccess) why = "device lost: an allocation could not be re-made at its old address";
-  ji_tls_depth--;
+  ji_tls.depth--;
   free(k);
   if (why) return why;
   ji_pool_device_replaced();
@@ -258,7 +258,7 @@ const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nl
   ji_alloc_key *k;
   size_t n = ji_alloc_keys(&k);
   const char *why = NULL;
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (int j = 0; j < nlost && !why; j++) {
     if (me != donor && me != lost[j]) continue;
     for (size_t i = 0; i < n && !why; i++) {
@@ -268,7 +268,7 @@ const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nl
     }
   }
   if (!why && (me == donor || n) && sync(s) != cudaSuccess) why = "refill: the transfers did not complete";
-  ji_tls_depth--;
+  ji_tls.depth--;
   free(k);
   return why;
 }

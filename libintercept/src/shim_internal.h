@@ -56,24 +56,30 @@ typedef struct ji_cblock {
   _Atomic uint64_t c[JI_N_SYMS];
   struct ji_cblock *next;
 } ji_cblock;
-extern JI_TLS ji_cblock *ji_tls_cnt;
 JI_HIDDEN ji_cblock *ji_cblock_new(void);
 
-/* Depth of shim frames on this thread: calls the runtime makes into other
- * hooked entry points while serving our call (the stand-in's libnccl calling
- * libcudart through the PLT, for example) must pass straight through, or they
- * would be logged and counted twice and see physical handles as foreign. */
-extern JI_TLS int ji_tls_depth;
-/* Set while this thread runs the hang handler (the trigger thread). */
-extern JI_TLS int ji_tls_trigger;
-/* Per-thread replay-log pause (jitintercept_log_suspend). */
-extern JI_TLS int ji_tls_log_off;
-/* Set by a hook's failed call after a lost-device recovery in replay mode: the
- * record the hook logs next is executed at its commit (ji_rcv_reissue). */
-extern JI_TLS int ji_tls_reissue;
-/* Set between ji_rcv_begin and ji_rcv_after_block: a blocking hook redoes a
- * call that met a lost device itself (no re-issue from the log). */
-extern JI_TLS int ji_tls_in_block;
+/* Everything a hook reads about its own thread, in one thread-local block:
+ * one TLS offset per hook, every field %fs-relative. */
+typedef struct ji_thread {
+  /* Depth of shim frames on this thread: calls the runtime makes into other
+   * hooked entry points while serving our call (the stand-in's libnccl
+   * calling libcudart through the PLT, for example) must pass straight
+   * through, or they would be logged and counted twice and see physical
+   * handles as foreign. */
+  int depth;
+  /* Set while this thread runs the hang handler (the trigger thread). */
+  int trigger;
+  /* Replay-log pause (jitintercept_log_suspend, the handler). */
+  int log_off;
+  /* Set by a hook's failed call after a lost-device recovery in replay mode:
+   * the record the hook logs next is executed at its commit (ji_rcv_reissue). */
+  int reissue;
+  /* Set between ji_rcv_begin and ji_rcv_after_block: a blocking hook redoes
+   * a call that met a lost device itself (no re-issue from the log). */
+  int in_block;
+  ji_cblock *cnt;
+} ji_thread;
+extern JI_TLS ji_thread ji_tls;
 
 JI_HIDDEN double ji_now(void);
 JI_HIDDEN const char *ji_getenv(const char *name);
@@ -133,7 +139,25 @@ static inline void *ji_phys(const void *h) {
 enum { JI_VM_STREAMS = 1, JI_VM_EVENTS = 2, JI_VM_COMMS = 4 };
 extern int ji_vh_mode;
 extern _Atomic int ji_pm_used;
-JI_HIDDEN ji_vh *ji_pm_get(const void *phys);
+/* physical handle -> shadow record: open addressing, pointer keys, linear
+ * probing (shim_vh.c). Readers are lock-free: acquire load of the key, value
+ * stored before the key is published. */
+#define JI_PM_CAP (1u << 16)
+#define JI_PM_PROBE 64
+extern _Atomic(void *) ji_pm_key[JI_PM_CAP];
+extern _Atomic(ji_vh *) ji_pm_val[JI_PM_CAP];
+static inline size_t ji_pm_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48); }
+static inline ji_vh *ji_pm_get(const void *phys) {
+  if (!phys) return NULL;
+  size_t h = ji_pm_hash(phys);
+  for (unsigned i = 0; i < JI_PM_PROBE; i++) {
+    size_t s = (h + i) & (JI_PM_CAP - 1);
+    void *k = atomic_load_explicit(&ji_pm_key[s], memory_order_acquire);
+    if (JI_LIKELY(k == phys)) return atomic_load_explicit(&ji_pm_val[s], memory_order_relaxed);
+    if (!k) return NULL;
+  }
+  return NULL;
+}
 /* Record for an application handle, virtual or physical; NULL if unknown. */
 static inline ji_vh *ji_slot(const void *h) {
   ji_vh *v = ji_vh_of(h);
@@ -158,7 +182,13 @@ struct ji_comm_info {
 /* NCCL streams: a stream record's JI_VH_NCCL flag, and a small list for
  * streams that have no record (stream 0, per-thread, created before the shim). */
 JI_HIDDEN void ji_mark_nccl_stream(cudaStream_t vstream, int coll_id);
-JI_HIDDEN int ji_is_nccl_stream(cudaStream_t vstream);
+extern _Atomic int ji_nv_n;
+JI_HIDDEN int ji_is_nv_stream(cudaStream_t s);
+static inline int ji_is_nccl_stream(cudaStream_t s) {
+  ji_vh *v = ji_slot(s);
+  if (v) return (atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL) != 0;
+  return atomic_load_explicit(&ji_nv_n, memory_order_relaxed) && ji_is_nv_stream(s);
+}
 JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
 JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
 
@@ -252,14 +282,39 @@ typedef struct ji_rec {
 } ji_rec;
 extern _Atomic int ji_log_armed;
 static inline int ji_log_on(void) {
-  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls_log_off;
+  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls.log_off;
 }
-JI_HIDDEN ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len);
+extern unsigned char *ji_log_base;
+extern size_t ji_log_cap;
+extern _Atomic uint64_t ji_log_tail;
+extern _Atomic uint32_t ji_log_epoch;
+JI_HIDDEN void ji_log_overflowed(void);
+static inline size_t ji_rec_size(unsigned nargs, size_t blob_len) {
+  return (sizeof(ji_rec) + (size_t)nargs * 8 + blob_len + 7) & ~(size_t)7;
+}
+/* A record of nargs words and blob_len bytes, to be filled and published;
+ * NULL when it does not fit (counted: the minibatch is then unreplayable).
+ * Lock-free: one fetch_add on the tail orders records across threads. */
+static inline ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
+  size_t sz = ji_rec_size(nargs, blob_len);
+  uint64_t off = atomic_fetch_add_explicit(&ji_log_tail, sz, memory_order_relaxed);
+  if (JI_UNLIKELY(off + sz > ji_log_cap || blob_len > UINT32_MAX)) {
+    ji_log_overflowed();
+    return NULL;
+  }
+  ji_rec *r = (ji_rec *)(ji_log_base + off);
+  atomic_store_explicit((_Atomic uint32_t *)&r->size, 0, memory_order_relaxed);
+  r->epoch = atomic_load_explicit(&ji_log_epoch, memory_order_relaxed);
+  r->id = (uint16_t)id;
+  r->nargs = (uint16_t)nargs;
+  r->blob_len = (uint32_t)blob_len;
+  return r;
+}
 static inline unsigned char *ji_rec_blob(ji_rec *r) { return (unsigned char *)&r->a[r->nargs]; }
 /* Publishes a filled record (hooks use ji_log_commit, below). */
 static inline void ji_log_publish(ji_rec *r) {
-  size_t sz = (sizeof(ji_rec) + (size_t)r->nargs * 8 + r->blob_len + 7) & ~(size_t)7;
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)sz, memory_order_release);
+  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)ji_rec_size(r->nargs, r->blob_len),
+                        memory_order_release);
 }
 JI_HIDDEN void ji_log_mark_incomplete(void);
 JI_HIDDEN void ji_log_mark_synced(void);
@@ -341,8 +396,8 @@ JI_HIDDEN void ji_wd_start(void);
 /* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
 static inline void ji_count(int id) {
   if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
-  if (JI_UNLIKELY(ji_tls_reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
-  ji_cblock *b = ji_tls_cnt;
+  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
+  ji_cblock *b = ji_tls.cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;
   atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
@@ -353,10 +408,10 @@ static inline void ji_count(int id) {
  * device is executed from it now, on the new device. */
 static inline void ji_log_commit(ji_rec *r) {
   ji_log_publish(r);
-  if (JI_UNLIKELY(ji_tls_reissue)) ji_rcv_reissue(r);
+  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue(r);
 }
 static inline unsigned ji_rcv_begin(void) {
-  ji_tls_in_block = 1;
+  ji_tls.in_block = 1;
   return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
 }
 

@@ -17,7 +17,7 @@ JI_TABLE(JI_PROTO_)
 #undef JI_PROTO_
 
 #define NO_LIB ncclSystemError
-#define NCALL(expr) (ji_tls_depth++, __extension__({ ncclResult_t r_ = (expr); ji_tls_depth--; r_; }))
+#define NCALL(expr) (ji_tls.depth++, __extension__({ ncclResult_t r_ = (expr); ji_tls.depth--; r_; }))
 #define NXLATE(out, h)                                                       \
   void *out = (void *)(h);                                                   \
   do {                                                                       \
@@ -42,7 +42,7 @@ static void log_words(int id, unsigned n, const uint64_t *w) {
 JI_API ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
   ji_fn_ncclGetUniqueId fn = REAL(ncclGetUniqueId);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(uniqueId);
+  if (ji_tls.depth) return fn(uniqueId);
   COUNT(ncclGetUniqueId);
   return NCALL(fn(uniqueId));
 }
@@ -80,7 +80,7 @@ static ncclResult_t comm_init(int id, ncclComm_t *comm, int nranks, ncclUniqueId
 #define CI_CALL(p)                                                                        \
   (id == JI_ID_ncclCommInitRank ? ((ji_fn_ncclCommInitRank)fn)(p, nranks, commId, rank) \
                                 : ((ji_fn_ncclCommInitRankConfig)fn)(p, nranks, commId, rank, config))
-  if (ji_tls_depth || !comm) return CI_CALL(comm);
+  if (ji_tls.depth || !comm) return CI_CALL(comm);
   ji_count(id);
   ncclComm_t phys = NULL;
   ji_park_enter();
@@ -105,7 +105,7 @@ JI_API ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUni
 JI_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   ji_fn_ncclCommSplit fn = REAL(ncclCommSplit);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth || !newcomm) return fn(comm, color, key, newcomm, config);
+  if (ji_tls.depth || !newcomm) return fn(comm, color, key, newcomm, config);
   COUNT(ncclCommSplit);
   NXLATE(pc, comm);
   ncclComm_t phys = NULL;
@@ -133,7 +133,7 @@ JI_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
 static ncclResult_t comm_end(int id, ncclComm_t comm) {
   ji_fn_ncclCommDestroy fn = (ji_fn_ncclCommDestroy)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   ji_count(id);
   NXLATE(pc, comm);
   ji_vh *v = ji_slot(comm);
@@ -153,7 +153,7 @@ JI_API ncclResult_t ncclCommAbort(ncclComm_t comm) { return comm_end(JI_ID_ncclC
 JI_API ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
   ji_fn_ncclCommGetAsyncError fn = REAL(ncclCommGetAsyncError);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm, asyncError);
+  if (ji_tls.depth) return fn(comm, asyncError);
   COUNT(ncclCommGetAsyncError);
   NXLATE(pc, comm);
   return NCALL(fn((ncclComm_t)pc, asyncError));
@@ -179,7 +179,7 @@ static void coll_done(int id, ncclComm_t comm, cudaStream_t stream, const uint64
   if (!fn) return NO_LIB;                                                                    \
   ncclComm_t c_ = comm;                                                                      \
   cudaStream_t s_ = stream;                                                                  \
-  if (ji_tls_depth) return fn args;                                                          \
+  if (ji_tls.depth) return fn args;                                                          \
   COUNT(name);                                                                               \
   if (JI_DISCARDED()) return ncclSuccess;                                                    \
   ncclResult_t r_;                                                                           \
@@ -250,7 +250,7 @@ JI_API ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype,
 JI_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   ji_fn_ncclCommFinalize fn = REAL(ncclCommFinalize);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   COUNT(ncclCommFinalize);
   NXLATE(pc, comm);
   ji_park_enter();
@@ -262,7 +262,7 @@ JI_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   JI_API ncclResult_t name params {                 \
     ji_fn_##name fn = REAL(name);                   \
     if (!fn) return NO_LIB;                         \
-    if (ji_tls_depth) return fn(comm, __VA_ARGS__); \
+    if (ji_tls.depth) return fn(comm, __VA_ARGS__); \
     COUNT(name);                                    \
     NXLATE(pc, comm);                               \
     return NCALL(fn((ncclComm_t)pc, __VA_ARGS__));  \
@@ -276,20 +276,20 @@ COMM_FWD(ncclCommDeregister, (const ncclComm_t comm, void *handle), handle)
 JI_API const char *ncclGetLastError(ncclComm_t comm) {
   ji_fn_ncclGetLastError fn = REAL(ncclGetLastError);
   if (!fn) return "libnccl is not loaded";
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   COUNT(ncclGetLastError);
   ji_vh *v = ji_vh_of(comm);
   void *pc = v ? atomic_load(&v->phys) : (void *)comm;
-  ji_tls_depth++;
+  ji_tls.depth++;
   const char *r = fn((ncclComm_t)pc);
-  ji_tls_depth--;
+  ji_tls.depth--;
   return r;
 }
 
 JI_API ncclResult_t ncclGroupStart(void) {
   ji_fn_ncclGroupStart fn = REAL(ncclGroupStart);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn();
+  if (ji_tls.depth) return fn();
   COUNT(ncclGroupStart);
   ncclResult_t r = NCALL(fn());
   if (ok(r)) {
@@ -303,7 +303,7 @@ JI_API ncclResult_t ncclGroupStart(void) {
 JI_API ncclResult_t ncclGroupEnd(void) {
   ji_fn_ncclGroupEnd fn = REAL(ncclGroupEnd);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn();
+  if (ji_tls.depth) return fn();
   COUNT(ncclGroupEnd);
   ncclResult_t r;
   for (;;) {

@@ -29,9 +29,9 @@ void ji_private_stream_make(void) {
   ji_fn_cudaStreamCreateWithFlags f = REAL(cudaStreamCreateWithFlags);
   cudaStream_t s = NULL;
   if (!f) return;
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = f(&s, cudaStreamNonBlocking);
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (r == cudaSuccess) atomic_store(&priv_stream, (void *)s);
 }
 
@@ -43,9 +43,9 @@ void *ji_pool_get(void) {
   if (e) return e;
   ji_fn_cudaEventCreateWithFlags f = REAL(cudaEventCreateWithFlags);
   if (!f) return NULL;
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = f((cudaEvent_t *)&e, cudaEventDisableTiming);
-  ji_tls_depth--;
+  ji_tls.depth--;
   return r == cudaSuccess ? e : NULL;
 }
 
@@ -58,9 +58,9 @@ void ji_pool_put(void *e) {
   pthread_mutex_unlock(&pool_mu);
   ji_fn_cudaEventDestroy f = REAL(cudaEventDestroy);
   if (e && f) {
-    ji_tls_depth++;
+    ji_tls.depth++;
     f((cudaEvent_t)e);
-    ji_tls_depth--;
+    ji_tls.depth--;
   }
 }
 
@@ -102,7 +102,7 @@ int ji_drain_streams(double deadline) {
   if (!rec || !q) return -1;
   void *ev[DRAIN_MAX];
   int ne = 0, rc = 0;
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (int i = 0; i < ss.n; i++) {
     void *e = ji_pool_get();
     if (!e) continue;
@@ -127,6 +127,6 @@ int ji_drain_streams(double deadline) {
     if (ji_now() > deadline) { rc = -1; break; }
     usleep(500);
   }
-  ji_tls_depth--;
+  ji_tls.depth--;
   return rc; /* events still pending are leaked: they sit behind work that may never finish */
 }

@@ -187,9 +187,9 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
     char kk[300];
     key(kk, sizeof kk, "id", epoch, k);
     if (ci->rank == 0) {
-      ji_tls_depth++;
+      ji_tls.depth++;
       int r = gid ? gid(&id) : ncclSystemError;
-      ji_tls_depth--;
+      ji_tls.depth--;
       if (r != ncclSuccess || ji_store_set(kk, &id, sizeof id, 5.0)) {
         *why = "could not publish the new ncclUniqueId";
         return -1;
@@ -208,7 +208,7 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
       }
     }
     ncclComm_t fresh = NULL;
-    ji_tls_depth++;
+    ji_tls.depth++;
     ncclResult_t r = (ci->has_config && irc) ? irc(&fresh, ci->nranks, id, ci->rank, &ci->config)
                      : ir                     ? ir(&fresh, ci->nranks, id, ci->rank)
                                               : ncclSystemError;
@@ -220,7 +220,7 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
       r = ar;
       if (r == ncclInProgress) usleep(1000);
     }
-    ji_tls_depth--;
+    ji_tls.depth--;
     if (r != ncclSuccess) {
       *why = "re-initializing a communicator failed";
       return -1;
@@ -356,17 +356,17 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   /* Close our own open group so its items leave this thread's group state
    * (they run on the old communicators and are aborted below). */
   ji_fn_ncclGroupEnd ge = REAL(ncclGroupEnd);
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (int i = 0; i < my_depth && ge; i++) (void)ge();
-  ji_tls_depth--;
+  ji_tls.depth--;
 
   /* Abort: unblocks every stream stuck in a collective. */
   ji_fn_ncclCommAbort ab = REAL(ncclCommAbort);
   for (int k = 0; k < cs.n; k++) {
     void *old = atomic_exchange(&cs.v[k]->phys, NULL);
-    ji_tls_depth++;
+    ji_tls.depth++;
     if (old && ab) ab((ncclComm_t)old);
-    ji_tls_depth--;
+    ji_tls.depth--;
   }
   ji_watch_reset();
   if (!why && !lost) {
@@ -482,7 +482,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
 /* After a blocking call: 1 = the call must be redone (a recovery happened
  * meanwhile, or this call's result revealed a fault that was recovered). */
 int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
-  ji_tls_in_block = 0;
+  ji_tls.in_block = 0;
   if (tls_coord) return 0;
   if (atomic_load(&ji_rcv_gen) != gen || atomic_load(&ji_rcv_active)) {
     ji_park_enter();
@@ -512,7 +512,7 @@ int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
  * returns). With one, after the recovery (run here, or by another thread
  * meanwhile) the failed call is dropped (the step's remaining calls are, see
  * ji_discard) or re-issued: a blocking hook redoes it itself, any other is
- * executed from its log record when the hook logs it (ji_tls_reissue). */
+ * executed from its log record when the hook logs it (ji_tls.reissue). */
 int ji_rcv_cuda_error(int rc) {
   if (tls_coord || !ji_sticky_cuda(rc)) return rc;
   ji_fault f = {.kind = "cuda_error", .source = "call", .code = rc, .coll = -1};
@@ -526,19 +526,19 @@ int ji_rcv_cuda_error(int rc) {
   cudaStream_t ps = ji_private_stream();
   int swapped = 0;
   if (q && ps && !atomic_load(&ji_dev_lost)) {
-    ji_tls_depth++;
+    ji_tls.depth++;
     swapped = !ji_sticky_cuda(q(ps));
-    ji_tls_depth--;
+    ji_tls.depth--;
   }
   while (!swapped && ji_rcv_run(&f, 0) == -2) { /* another thread is inside an NCCL group: retried */
   }
   if (atomic_load(&ji_discard)) return cudaSuccess;
-  if (!ji_tls_in_block) ji_tls_reissue = 1;
+  if (!ji_tls.in_block) ji_tls.reissue = 1;
   return cudaSuccess;
 }
 
 void ji_rcv_reissue(ji_rec *r) {
-  ji_tls_reissue = 0;
+  ji_tls.reissue = 0;
   int st = ji_replay_record(r);
   if (st) ji_rcv_reissue_failed(st);
 }

@@ -66,13 +66,13 @@ static void run_handler(jitintercept_handler_fn h, const char *json, int done) {
   /* The handler usually needs the GIL; its holder may be parked in a
    * blocking call that will never return. */
   ji_gil_release_parked(0.5);
-  ji_tls_trigger = 1;
+  ji_tls.trigger = 1;
   /* The handler's copies are not part of the minibatch being logged. */
-  ji_tls_log_off = 1;
+  ji_tls.log_off = 1;
   h(json, atomic_load(&handler_user));
   if (!done) return;
-  ji_tls_log_off = 0;
-  ji_tls_trigger = 0;
+  ji_tls.log_off = 0;
+  ji_tls.trigger = 0;
   atomic_store(&ji_trigger_active, 0);
 }
 

@@ -84,9 +84,9 @@ static void watch_stream(void *vstream, int coll, int rank) {
   void *pe = ji_pool_get();
   if (!pe) return;
   ji_fn_cudaEventRecord rec = REAL(cudaEventRecord);
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = rec ? rec((cudaEvent_t)pe, (cudaStream_t)ji_phys(vstream)) : cudaErrorInitializationError;
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (r != cudaSuccess) {
     ji_pool_put(pe);
     return;
