@@ -265,7 +265,8 @@ JI_HIDDEN int ji_watch_group_depth(void);
 JI_HIDDEN void ji_watch_stream_wait(cudaStream_t vstream, ji_vh *vev);
 JI_HIDDEN void ji_watch_reset(void);
 /* The poller takes the whole list and gives back what is still pending (kept
- * in order, keep_tail = the last kept entry's next field) and what is done. */
+ * in order, keep_tail = the last kept entry's next field; keep NULL: none)
+ * and what is done. */
 JI_HIDDEN ji_watch *ji_watch_detach(uint64_t *gen);
 JI_HIDDEN void ji_watch_return(uint64_t gen, ji_watch *keep, ji_watch **keep_tail, ji_watch *done, int ndone);
 JI_HIDDEN int ji_watch_pending(void);

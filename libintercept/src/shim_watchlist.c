@@ -194,8 +194,10 @@ void ji_watch_return(uint64_t gen, ji_watch *keep, ji_watch **keep_tail, ji_watc
   pthread_mutex_lock(&wl_mu);
   int stale = gen != wl_gen;
   if (!stale) {
-    *keep_tail = wl_head; /* kept entries are older than anything added meanwhile */
-    wl_head = keep;
+    if (keep) { /* kept entries are older than anything added meanwhile */
+      *keep_tail = wl_head;
+      wl_head = keep;
+    }
     atomic_fetch_sub(&wl_pending, ndone);
   }
   pthread_mutex_unlock(&wl_mu);
