@@ -25,7 +25,11 @@
  *      ncclUniqueId published by its rank 0 under id/E/<k>;
  *   6. replays the minibatch's log (shim_replay.c) and waits, bounded, for
  *      the replayed work; the failed call itself is re-issued by its caller;
- *   7. lowers the gate, re-arms the watchdog, writes one "shim_recovery" line.
+ *   7. clears the watch list, writes one "shim_recovery" line, re-opens the
+ *      trigger latch (shim_trigger.c) and lowers the gate.
+ * Entries: ji_rcv_watchdog (the watchdog's only one), ji_rcv_run and the
+ * hooks' helpers below (application threads), ji_rcv_check_peers (phase
+ * marks). Nothing here calls the watchdog.
  * Whatever cannot be done writes one "shim_recovery" line with outcome
  * "fallback" and the reason, then runs the registered JIT handler (if any)
  * and _exits with JITCKPT_HANG_EXIT_CODE: the process never continues with
