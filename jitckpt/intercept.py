@@ -16,10 +16,13 @@ deadlock behind the hung collective.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import re
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cffi
@@ -36,29 +39,38 @@ __all__ = [
     "timeout_s",
 ]
 
-_CDEF = """
-typedef void (*jitintercept_handler_fn)(const char *event_json, void *user);
-void jitintercept_set_handler(jitintercept_handler_fn fn, void *user);
-int jitintercept_loaded(void);
-int64_t jitintercept_counter(const char *name);
-int jitintercept_counter_count(void);
-const char *jitintercept_counter_name(int index);
-void jitintercept_minibatch_begin(void);
-void jitintercept_optimizer_begin(void);
-void jitintercept_optimizer_end(void);
-int jitintercept_dump_replay_log(const char *path);
-int jitintercept_replay(void);
-int64_t jitintercept_stat(const char *name);
-double jitintercept_timeout_s(void);
-"""
+# The control API's declarations come from the shim's own header: one source
+# for C and Python. Read when the shim is found in the process (the header
+# sits in the same checkout as the build jitrun preloads).
+HEADER = Path(__file__).resolve().parents[1] / "libintercept" / "include" / "jitintercept.h"
 
 _ffi = cffi.FFI()
-_ffi.cdef(_CDEF)
 _lock = threading.Lock()
 _lib: Any = None
 _probed = False
 # The cffi callback object must outlive every call the watchdog may make.
 _callback: Any = None
+
+
+def cdef_from_header(text: str) -> str:
+    """The declarations of ``jitintercept.h`` as cffi's ``cdef`` takes them:
+    comments, the C++ guard and preprocessor lines dropped."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", " ", text, flags=re.S)
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    return "\n".join(ln for ln in lines if ln.strip())
+
+
+def _declare() -> None:
+    try:
+        text = HEADER.read_text()
+    except OSError as e:
+        raise RuntimeError(
+            f"libjitintercept.so is preloaded but its header {HEADER} cannot be read ({e.strerror}): "
+            "jitckpt must run from the checkout the shim was built in"
+        ) from e
+    _ffi.cdef(cdef_from_header(text))
 
 
 def _shim() -> Any:
@@ -67,12 +79,12 @@ def _shim() -> Any:
         return _lib
     with _lock:
         if not _probed:
-            lib = _ffi.dlopen(None)
-            try:
+            # Probe by symbol first: without the shim nothing needs declaring.
+            if hasattr(ctypes.CDLL(None), "jitintercept_loaded"):
+                _declare()
+                lib = _ffi.dlopen(None)
                 if lib.jitintercept_loaded() == 1:
                     _lib = lib
-            except AttributeError:
-                _lib = None
             _probed = True
         return _lib
 

@@ -9,7 +9,12 @@ per-call difference, in thread CPU time (wall time on a loaded 2-core machine
 mostly measures preemption and the stand-in worker thread's wake-ups). The
 replay log is armed and cleared every batch, as per-minibatch hooks would.
 
-    python3 scripts/bench_intercept.py [--reps N] [--json] [--shim PATH]
+A/B: ``--baseline OTHER.so`` (another build of the shim, e.g. an older
+commit's) runs the same bench program under both libraries, alternating run
+by run (A B B A A B ...), so both see the same machine; the report gives each
+library's median added cost and the difference.
+
+    python3 scripts/bench_intercept.py [--reps N] [--runs N] [--json] [--shim PATH] [--baseline PATH]
 """
 
 from __future__ import annotations
@@ -20,60 +25,96 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-TARGET_NS = 50.0
+# Added ns per call the shim should stay within (cudaEventRecord / cudaStreamWaitEvent run
+# every step of every user; cudaEventQuery is polled).
+TARGET_NS = {"cudaEventRecord": 25.0, "cudaStreamWaitEvent": 25.0, "cudaEventQuery": 25.0}
+
+
+def _run(bench: str, shim: str, reps: int, env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run([bench, str(reps)], env={**env, "LD_PRELOAD": shim}, capture_output=True, text=True,
+                         check=True)
+    res = json.loads(out.stdout)
+    if not res["shim"]:
+        raise SystemExit(f"{shim} was not loaded (LD_PRELOAD): check the path")
+    return res
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    names = list(runs[0]["added_ns"])
+    return {
+        "direct_ns": {n: _median([r["direct_ns"][n] for r in runs]) for n in names},
+        "added_ns": {n: _median([r["added_ns"][n] for r in runs]) for n in names},
+        "added_ns_all_runs": {n: [r["added_ns"][n] for r in runs] for n in names},
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=300, help="paired batches (5000 calls each)")
-    ap.add_argument("--runs", type=int, default=3, help="independent runs; the median run is reported")
+    ap.add_argument("--runs", type=int, default=3, help="independent runs per library; the median is reported")
     ap.add_argument("--shim", default=str(REPO / "build" / "libjitintercept.so"))
+    ap.add_argument("--baseline", help="a second build of the shim, run interleaved with --shim (A/B)")
     ap.add_argument("--no-log", action="store_true", help="disable the replay log (JITCKPT_REPLAY_LOG=0)")
     ap.add_argument("--handles", default="none", help="JITCKPT_VIRTUAL_HANDLES for the run (none/all/...)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON result")
     args = ap.parse_args()
 
     subprocess.run(["make", "-s", "-C", str(REPO / "libintercept"), "shim", "shim-test-progs"], check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JITCKPT_")}
-    env["LD_PRELOAD"] = args.shim
+    for path in [args.shim] + ([args.baseline] if args.baseline else []):
+        if not Path(path).is_file():
+            print(f"no such shim library: {path} (build one with `make -C libintercept BUILD=<dir> shim`)",
+                  file=sys.stderr)
+            return 2
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JITCKPT_") and k != "LD_PRELOAD"}
     env["JITCKPT_VIRTUAL_HANDLES"] = args.handles
     if args.no_log:
         env["JITCKPT_REPLAY_LOG"] = "0"
     bench = str(REPO / "build" / "shim-tests" / "bench")
-    runs = []
-    for _ in range(args.runs):
-        out = subprocess.run([bench, str(args.reps)], env=env, capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout))
-    if not all(r["shim"] for r in runs):
-        print("the shim was not loaded", file=sys.stderr)
-        return 1
-    names = list(runs[0]["added_ns"])
-    result = {
+    libs = {"shim": args.shim} | ({"baseline": args.baseline} if args.baseline else {})
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in libs}
+    for i in range(args.runs):
+        order = list(libs) if i % 2 == 0 else list(reversed(libs))
+        for k in order:
+            runs[k].append(_run(bench, libs[k], args.reps, env))
+    result: dict[str, Any] = {
         "reps": args.reps,
         "runs": args.runs,
         "replay_log": not args.no_log,
         "virtual_handles": args.handles,
-        "direct_ns": {n: sorted(r["direct_ns"][n] for r in runs)[len(runs) // 2] for n in names},
-        "added_ns": {n: sorted(r["added_ns"][n] for r in runs)[len(runs) // 2] for n in names},
-        "added_ns_all_runs": {n: [r["added_ns"][n] for r in runs] for n in names},
     }
+    for k in libs:
+        result[k] = {"path": libs[k], **_summary(runs[k])}
+    names = list(result["shim"]["added_ns"])
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     log = "on" if result["replay_log"] else "off"
-    print(
-        f"shim overhead per call (stand-in runtime, {args.reps} x 5000 calls, {args.runs} runs, "
-        f"replay log {log}, virtual handles: {args.handles})"
-    )
-    print(f"{'call':24s} {'stand-in ns':>12s} {'added ns':>10s}  runs")
-    for n in names:
-        runs_s = " ".join(f"{x:.1f}" for x in result["added_ns_all_runs"][n])
-        print(f"{n:24s} {result['direct_ns'][n]:12.1f} {result['added_ns'][n]:10.1f}  [{runs_s}]")
-    for n in ("cudaEventRecord", "cudaEventQuery"):
-        verdict = "OK" if result["added_ns"][n] < TARGET_NS else "ABOVE"
-        print(f"target < {TARGET_NS:.0f} ns for {n}: {verdict}")
+    print(f"shim overhead per call (stand-in runtime, {args.reps} x 5000 calls, {args.runs} runs per library"
+          f"{', interleaved A/B' if args.baseline else ''}, replay log {log}, virtual handles: {args.handles})")
+    for k in libs:
+        print(f"\n{k}: {libs[k]}")
+        print(f"{'call':24s} {'stand-in ns':>12s} {'added ns':>10s}  runs")
+        for n in names:
+            runs_s = " ".join(f"{x:.1f}" for x in result[k]["added_ns_all_runs"][n])
+            print(f"{n:24s} {result[k]['direct_ns'][n]:12.1f} {result[k]['added_ns'][n]:10.1f}  [{runs_s}]")
+    if args.baseline:
+        print(f"\n{'call':24s} {'shim':>8s} {'baseline':>9s} {'diff':>7s}")
+        for n in names:
+            a, b = result["shim"]["added_ns"][n], result["baseline"]["added_ns"][n]
+            print(f"{n:24s} {a:8.1f} {b:9.1f} {a - b:+7.1f}")
+    print()
+    for n, target in TARGET_NS.items():
+        if n in result["shim"]["added_ns"]:
+            verdict = "OK" if result["shim"]["added_ns"][n] <= target else "ABOVE"
+            print(f"target <= {target:.0f} ns added for {n}: {verdict}")
     return 0
 
 

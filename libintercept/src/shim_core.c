@@ -16,7 +16,7 @@
 #include "shim_internal.h"
 
 _Atomic(void *) ji_real_fns[JI_N_SYMS];
-JI_TLS ji_cblock *ji_tls_cnt;
+JI_TLS ji_thread ji_tls;
 static _Atomic(ji_cblock *) cblocks;
 
 ji_cblock *ji_cblock_new(void) {
@@ -25,7 +25,7 @@ ji_cblock *ji_cblock_new(void) {
   ji_cblock *head = atomic_load(&cblocks);
   do b->next = head;
   while (!atomic_compare_exchange_weak(&cblocks, &head, b));
-  ji_tls_cnt = b;
+  ji_tls.cnt = b;
   return b;
 }
 
@@ -53,9 +53,7 @@ const unsigned ji_flags[JI_N_SYMS] = {
 _Static_assert(sizeof(((ji_cblock *)0)->c) / sizeof(uint64_t) == sizeof(ji_names) / sizeof(ji_names[0]),
                "one counter per table entry");
 
-JI_TLS int ji_tls_depth;
-JI_TLS int ji_tls_trigger;
-JI_TLS int ji_tls_log_off;
+_Atomic uint64_t ji_stats[JI_ST_N];
 
 double ji_now(void) {
   struct timespec ts;
@@ -66,6 +64,14 @@ double ji_now(void) {
 const char *ji_getenv(const char *name) {
   const char *v = getenv(name);
   return (v && *v) ? v : NULL;
+}
+
+double ji_env_num(const char *name, double dflt) {
+  const char *v = ji_getenv(name);
+  if (!v) return dflt;
+  char *e;
+  double d = strtod(v, &e);
+  return (e != v && d >= 0) ? d : dflt;
 }
 
 /* ---- locating a library that is not in the global scope ----
@@ -156,7 +162,15 @@ JI_API int jitintercept_dump_counters(const char *path) {
 
 JI_API int jitintercept_loaded(void) { return 1; }
 
-JI_API void jitintercept_log_suspend(int on) { ji_tls_log_off = on; }
+JI_API int64_t jitintercept_stat(const char *name) {
+  static const char *const names[JI_ST_N] = {"redirected_memcpy", "triggers", "gil_signals", "gil_released",
+                                             "watched", "completed", "replay_overflows_total"};
+  for (int i = 0; name && i < JI_ST_N; i++)
+    if (!strcmp(names[i], name)) return (int64_t)atomic_load(&ji_stats[i]);
+  return -1;
+}
+
+JI_API void jitintercept_log_suspend(int on) { ji_tls.log_off = on; }
 
 /* JITCKPT_COUNTERS_DUMP: counters written at exit, so a program that knows
  * nothing about the shim (the real-libcudart test) can still be inspected. */

@@ -2,7 +2,7 @@
  * shim_cuda.c - CUDA runtime hooks.
  *
  * Every hook: (1) passes straight through when the runtime calls back into a
- * hooked symbol while serving us (ji_tls_depth), (2) counts, (3) maps virtual
+ * hooked symbol while serving us (ji_tls.depth), (2) counts, (3) maps virtual
  * handles to physical ones, (4) parks the thread around calls that can block
  * on device progress, (5) appends a replay record after success.
  * The event record/query and wait paths take no lock: relaxed counters, one
@@ -24,12 +24,27 @@ JI_TABLE(JI_PROTO_)
  * from any call means the context is gone: fall back at once, before the
  * application sees the error (one predictable compare on the hot path). */
 #define CALL(expr)                                                     \
-  (ji_tls_depth++, __extension__({                                     \
+  (ji_tls.depth++, __extension__({                                     \
      cudaError_t r_ = (expr);                                          \
-     ji_tls_depth--;                                                   \
+     ji_tls.depth--;                                                   \
      if (JI_UNLIKELY(r_ >= 700) && ji_rcv_mode) r_ = (cudaError_t)ji_rcv_cuda_error(r_); \
      r_;                                                               \
    }))
+
+/* Handle translation that also yields the handle's record (Fig. 3
+ * bookkeeping): the slot itself for a virtual handle, the shadow record for a
+ * physical one (one hash probe), or NULL. */
+#define XLATE_SLOT(out, slot, h)                                            \
+  void *out = (void *)(h);                                                  \
+  ji_vh *slot = ji_vh_of(h);                                                \
+  do {                                                                      \
+    if (slot) {                                                             \
+      out = atomic_load_explicit(&slot->phys, memory_order_acquire);        \
+      if (JI_UNLIKELY(!out)) return cudaErrorInvalidResourceHandle;         \
+    } else if (atomic_load_explicit(&ji_pm_used, memory_order_relaxed)) {   \
+      slot = ji_pm_get(h);                                                  \
+    }                                                                       \
+  } while (0)
 
 /* Handle translation that rejects destroyed virtual handles. */
 #define XLATE(out, h)                                                        \
@@ -43,7 +58,7 @@ JI_TABLE(JI_PROTO_)
   } while (0)
 
 static inline int in_trigger(void) {
-  return JI_UNLIKELY(ji_tls_trigger) && atomic_load_explicit(&ji_trigger_active, memory_order_relaxed) &&
+  return JI_UNLIKELY(ji_tls.trigger) && atomic_load_explicit(&ji_trigger_active, memory_order_relaxed) &&
          ji_redirect_enabled;
 }
 
@@ -60,7 +75,7 @@ static void log_words(int id, unsigned n, const uint64_t *w) {
 static cudaError_t ev_create(int id, cudaEvent_t *event, unsigned flags) {
   void *fn = ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth || !event) {
+  if (ji_tls.depth || !event) {
     return id == JI_ID_cudaEventCreate ? ((ji_fn_cudaEventCreate)fn)(event)
                                        : ((ji_fn_cudaEventCreateWithFlags)fn)(event, flags);
   }
@@ -88,7 +103,7 @@ JI_API cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int fla
 JI_API cudaError_t cudaEventDestroy(cudaEvent_t event) {
   ji_fn_cudaEventDestroy fn = REAL(cudaEventDestroy);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(event);
+  if (ji_tls.depth) return fn(event);
   COUNT(cudaEventDestroy);
   XLATE(pe, event);
   ji_vh *v = ji_slot(event);
@@ -101,20 +116,30 @@ JI_API cudaError_t cudaEventDestroy(cudaEvent_t event) {
   return r;
 }
 
+/* Appends a three-word record (event record, stream wait). */
+static inline void log3(int id, uint64_t a0, uint64_t a1, uint64_t a2) {
+  if (!ji_log_on()) return;
+  ji_rec *rec = ji_log_reserve(id, 3, 0);
+  if (JI_UNLIKELY(!rec)) return;
+  rec->a[0] = a0;
+  rec->a[1] = a1;
+  rec->a[2] = a2;
+  ji_log_commit(rec);
+}
+
 static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stream, unsigned flags, int wf) {
   void *fn = ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls_depth))
+  if (JI_UNLIKELY(ji_tls.depth))
     return wf ? ((ji_fn_cudaEventRecordWithFlags)fn)(event, stream, flags)
               : ((ji_fn_cudaEventRecord)fn)(event, stream);
   ji_count(id);
-  XLATE(pe, event);
+  XLATE_SLOT(pe, ve, event);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
   cudaError_t r = wf ? CALL(((ji_fn_cudaEventRecordWithFlags)fn)(pe, ps, flags))
                      : CALL(((ji_fn_cudaEventRecord)fn)(pe, ps));
   if (JI_LIKELY(r == cudaSuccess)) {
-    ji_vh *ve = ji_slot(event);
     if (ve) {
       /* Fig. 3 bookkeeping: which stream the event was last recorded on, so a
        * later cudaStreamWaitEvent can tell whether it guards an NCCL stream. */
@@ -123,15 +148,7 @@ static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stre
       atomic_store_explicit(&ve->rec_seq, atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) + 1,
                             memory_order_release);
     }
-    if (ji_log_on()) {
-      ji_rec *rec = ji_log_reserve(id, 3, 0);
-      if (rec) {
-        rec->a[0] = U(event);
-        rec->a[1] = U(stream);
-        rec->a[2] = flags;
-        ji_log_commit(rec);
-      }
-    }
+    log3(id, U(event), U(stream), flags);
   }
   return r;
 }
@@ -151,7 +168,7 @@ JI_API cudaError_t cudaEventRecordWithFlags_ptsz(cudaEvent_t event, cudaStream_t
 JI_API cudaError_t cudaEventQuery(cudaEvent_t event) {
   ji_fn_cudaEventQuery fn = REAL(cudaEventQuery);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls_depth)) return fn(event);
+  if (JI_UNLIKELY(ji_tls.depth)) return fn(event);
   COUNT(cudaEventQuery);
   XLATE(pe, event);
   /* A pure query changes no device state: not logged. */
@@ -161,7 +178,7 @@ JI_API cudaError_t cudaEventQuery(cudaEvent_t event) {
 JI_API cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   ji_fn_cudaEventSynchronize fn = REAL(cudaEventSynchronize);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(event);
+  if (ji_tls.depth) return fn(event);
   COUNT(cudaEventSynchronize);
   XLATE(pe, event);
   if (in_trigger()) {
@@ -193,7 +210,7 @@ static cudaError_t st_create(int id, cudaStream_t *ps, unsigned flags, int prio)
    : id == JI_ID_cudaStreamCreateWithFlags                                       \
        ? ((ji_fn_cudaStreamCreateWithFlags)fn)(p, flags)                         \
        : ((ji_fn_cudaStreamCreateWithPriority)fn)(p, flags, prio))
-  if (ji_tls_depth || !ps) return ST_CALL(ps);
+  if (ji_tls.depth || !ps) return ST_CALL(ps);
   ji_count(id);
   cudaStream_t phys = NULL;
   cudaError_t r = CALL(ST_CALL(&phys));
@@ -222,7 +239,7 @@ JI_API cudaError_t cudaStreamCreateWithPriority(cudaStream_t *pStream, unsigned 
 JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   ji_fn_cudaStreamDestroy fn = REAL(cudaStreamDestroy);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream);
+  if (ji_tls.depth) return fn(stream);
   COUNT(cudaStreamDestroy);
   XLATE(ps, stream);
   ji_vh *v = ji_slot(stream);
@@ -238,30 +255,23 @@ JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event, unsigned flags) {
   ji_fn_cudaStreamWaitEvent fn = (ji_fn_cudaStreamWaitEvent)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls_depth)) return fn(stream, event, flags);
+  if (JI_UNLIKELY(ji_tls.depth)) return fn(stream, event, flags);
   ji_count(id);
   XLATE(ps, stream);
-  XLATE(pe, event);
+  XLATE_SLOT(pe, ve, event);
   cudaError_t r = CALL(fn(ps, pe, flags));
   if (JI_LIKELY(r == cudaSuccess)) {
-    ji_vh *ve = ji_slot(event);
     if (ve) {
       void *rs = atomic_load_explicit(&ve->rec_stream, memory_order_relaxed);
       /* Paper Fig. 3: an event on an NCCL stream that another stream waits on
        * guards the collective(s) before it: watch it. */
       if (rs != (void *)stream && atomic_load_explicit(&ve->rec_seq, memory_order_relaxed) &&
-          ji_is_nccl_stream((cudaStream_t)rs))
-        ji_wd_stream_wait(stream, ve);
-    }
-    if (ji_log_on()) {
-      ji_rec *rec = ji_log_reserve(id, 3, 0);
-      if (rec) {
-        rec->a[0] = U(stream);
-        rec->a[1] = U(event);
-        rec->a[2] = flags;
-        ji_log_commit(rec);
+          ji_is_nccl_stream((cudaStream_t)rs)) {
+        ji_watch_stream_wait(stream, ve);
+        ji_wd_start();
       }
     }
+    log3(id, U(stream), U(event), flags);
   }
   return r;
 }
@@ -275,7 +285,7 @@ JI_API cudaError_t cudaStreamWaitEvent_ptsz(cudaStream_t stream, cudaEvent_t eve
 static cudaError_t st_sync(int id, cudaStream_t stream) {
   ji_fn_cudaStreamSynchronize fn = (ji_fn_cudaStreamSynchronize)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream);
+  if (ji_tls.depth) return fn(stream);
   ji_count(id);
   for (;;) {
     XLATE(ps, stream);
@@ -298,7 +308,7 @@ JI_API cudaError_t cudaStreamSynchronize_ptsz(cudaStream_t stream) {
 JI_API cudaError_t cudaDeviceSynchronize(void) {
   ji_fn_cudaDeviceSynchronize fn = REAL(cudaDeviceSynchronize);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn();
+  if (ji_tls.depth) return fn();
   COUNT(cudaDeviceSynchronize);
   if (in_trigger()) {
     ji_fn_cudaStreamSynchronize ss = REAL(cudaStreamSynchronize);
@@ -320,7 +330,7 @@ JI_API cudaError_t cudaDeviceSynchronize(void) {
 JI_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
   ji_fn_cudaMalloc fn = REAL(cudaMalloc);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(devPtr, size);
+  if (ji_tls.depth) return fn(devPtr, size);
   COUNT(cudaMalloc);
   ji_park_enter();
   cudaError_t r = CALL(fn(devPtr, size));
@@ -336,7 +346,7 @@ JI_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
 JI_API cudaError_t cudaFree(void *devPtr) {
   ji_fn_cudaFree fn = REAL(cudaFree);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(devPtr);
+  if (ji_tls.depth) return fn(devPtr);
   COUNT(cudaFree);
   ji_park_enter();
   cudaError_t r = CALL(fn(devPtr));
@@ -391,7 +401,7 @@ static cudaError_t memcpy_redirect(void *dst, const void *src, size_t count, enu
 static cudaError_t mc_sync(int id, void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
   ji_fn_cudaMemcpy fn = (ji_fn_cudaMemcpy)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(dst, src, count, kind);
+  if (ji_tls.depth) return fn(dst, src, count, kind);
   ji_count(id);
   if (JI_DISCARDED()) return cudaSuccess;
   if (JI_UNLIKELY(atomic_load_explicit(&ji_trigger_active, memory_order_relaxed))) {
@@ -423,7 +433,7 @@ static cudaError_t mc_async(int id, void *dst, const void *src, size_t count, en
                             cudaStream_t stream) {
   ji_fn_cudaMemcpyAsync fn = (ji_fn_cudaMemcpyAsync)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(dst, src, count, kind, stream);
+  if (ji_tls.depth) return fn(dst, src, count, kind, stream);
   ji_count(id);
   if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
@@ -490,7 +500,7 @@ static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, d
 #define LCALL(s)                                                              \
   (is_kernel ? ((ji_fn___cudaLaunchKernel)fn)((cudaKernel_t)f, g, b, args, shm, s) \
              : ((ji_fn_cudaLaunchKernel)fn)(f, g, b, args, shm, s))
-  if (JI_UNLIKELY(ji_tls_depth)) return LCALL(stream);
+  if (JI_UNLIKELY(ji_tls.depth)) return LCALL(stream);
   ji_count(id);
   if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
@@ -522,7 +532,7 @@ JI_API cudaError_t __cudaLaunchKernel_ptsz(cudaKernel_t kernel, dim3 gridDim, di
 JI_API cudaError_t __cudaGetKernel(cudaKernel_t *kernel, const void *func) {
   ji_fn___cudaGetKernel fn = REAL(__cudaGetKernel);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(kernel, func);
+  if (ji_tls.depth) return fn(kernel, func);
   COUNT(__cudaGetKernel);
   cudaError_t r = CALL(fn(kernel, func));
   /* Lets the stand-in's param-info lookup (keyed by host function) serve
@@ -536,7 +546,7 @@ JI_API cudaError_t __cudaGetKernel(cudaKernel_t *kernel, const void *func) {
 static cudaError_t st_query(int id, cudaStream_t stream) {
   ji_fn_cudaStreamQuery fn = (ji_fn_cudaStreamQuery)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls_depth)) return fn(stream);
+  if (JI_UNLIKELY(ji_tls.depth)) return fn(stream);
   ji_count(id);
   XLATE(ps, stream);
   return CALL(fn(ps));
@@ -547,7 +557,7 @@ JI_API cudaError_t cudaStreamQuery_ptsz(cudaStream_t stream) { return st_query(J
 static cudaError_t st_flags(int id, cudaStream_t stream, unsigned int *flags) {
   ji_fn_cudaStreamGetFlags fn = (ji_fn_cudaStreamGetFlags)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream, flags);
+  if (ji_tls.depth) return fn(stream, flags);
   ji_count(id);
   XLATE(ps, stream);
   return CALL(fn(ps, flags));
@@ -562,7 +572,7 @@ JI_API cudaError_t cudaStreamGetFlags_ptsz(cudaStream_t hStream, unsigned int *f
 static cudaError_t st_prio(int id, cudaStream_t stream, int *priority) {
   ji_fn_cudaStreamGetPriority fn = (ji_fn_cudaStreamGetPriority)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream, priority);
+  if (ji_tls.depth) return fn(stream, priority);
   ji_count(id);
   XLATE(ps, stream);
   return CALL(fn(ps, priority));
@@ -586,7 +596,7 @@ static void log_host_work(int id, cudaStream_t stream, const void *fn, const voi
 static cudaError_t st_callback(int id, cudaStream_t stream, cudaStreamCallback_t cb, void *user, unsigned flags) {
   ji_fn_cudaStreamAddCallback fn = (ji_fn_cudaStreamAddCallback)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream, cb, user, flags);
+  if (ji_tls.depth) return fn(stream, cb, user, flags);
   ji_count(id);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
@@ -606,7 +616,7 @@ JI_API cudaError_t cudaStreamAddCallback_ptsz(cudaStream_t stream, cudaStreamCal
 static cudaError_t host_func(int id, cudaStream_t stream, cudaHostFn_t hf, void *user) {
   ji_fn_cudaLaunchHostFunc fn = (ji_fn_cudaLaunchHostFunc)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(stream, hf, user);
+  if (ji_tls.depth) return fn(stream, hf, user);
   ji_count(id);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
@@ -624,7 +634,7 @@ JI_API cudaError_t cudaLaunchHostFunc_ptsz(cudaStream_t stream, cudaHostFn_t fn,
 JI_API cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
   ji_fn_cudaEventElapsedTime fn = REAL(cudaEventElapsedTime);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(ms, start, end);
+  if (ji_tls.depth) return fn(ms, start, end);
   COUNT(cudaEventElapsedTime);
   XLATE(pa, start);
   XLATE(pb, end);
@@ -634,7 +644,7 @@ JI_API cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_
 static cudaError_t ms_sync(int id, void *p, int value, size_t count) {
   ji_fn_cudaMemset fn = (ji_fn_cudaMemset)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(p, value, count);
+  if (ji_tls.depth) return fn(p, value, count);
   ji_count(id);
   if (JI_DISCARDED()) return cudaSuccess;
   ji_park_enter();
@@ -654,7 +664,7 @@ JI_API cudaError_t cudaMemset_ptds(void *devPtr, int value, size_t count) {
 static cudaError_t ms_async(int id, void *p, int value, size_t count, cudaStream_t stream) {
   ji_fn_cudaMemsetAsync fn = (ji_fn_cudaMemsetAsync)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(p, value, count, stream);
+  if (ji_tls.depth) return fn(p, value, count, stream);
   ji_count(id);
   if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);

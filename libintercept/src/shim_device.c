@@ -17,7 +17,7 @@
  *   3. attaches the new device and re-makes every live allocation at the
  *      address the application holds (on the stand-in jitsimMallocAt; on a GPU
  *      that would be cuMemAddressReserve at the old address + cuMemCreate/Map,
- *      not implemented: such a rank falls back), and the watchdog's own objects.
+ *      not implemented: such a rank falls back), and the shim's own stream and events.
  * After every rank joined and the communicators are new, all ranks read who
  * lost its device and where each stands (minibatch, optimizer phase), and
  * decide alike: the lowest healthy rank is the donor; it sends every live
@@ -179,9 +179,9 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   const char *(*uuid_of)(void) = (const char *(*)(void))sim_sym("jitsimDeviceUuid");
   char old[64];
   snprintf(old, sizeof old, "%s", uuid_of ? uuid_of() : "?");
-  ji_tls_depth++;
+  ji_tls.depth++;
   detach();
-  ji_tls_depth--;
+  ji_tls.depth--;
   ji_store_close();
 
   /* A launcher may make the process die with its parent (jitrun's migratable
@@ -210,7 +210,7 @@ static const char *park_and_replace(int rank, int epoch, double bound_s, const c
   snprintf(json, sizeof json,
            "{\"event\": \"shim_device_lost\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, \"device\": \"%s\"}",
            wall(), rank, (int)getpid(), epoch, old);
-  ji_wd_write_event(json);
+  ji_event_write(json);
 
   /* Wall clock: CLOCK_MONOTONIC does not carry over to another machine. */
   char uuid[64];
@@ -224,25 +224,25 @@ static const char *park_and_replace(int rank, int epoch, double bound_s, const c
   if (got == 2) return refused;
   memcpy(uuid, refused, sizeof uuid); /* read_resume: a uuid is under 64 bytes */
   uuid[sizeof uuid - 1] = 0;
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = replace(uuid);
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (r != cudaSuccess) return "device lost: attaching the new device failed";
   ji_alloc_key *k;
   size_t n = ji_alloc_keys(&k);
   const char *why = NULL;
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (size_t i = 0; i < n && !why; i++)
     if (malloc_at(k[i].p, k[i].n) != cudaSuccess) why = "device lost: an allocation could not be re-made at its old address";
-  ji_tls_depth--;
+  ji_tls.depth--;
   free(k);
   if (why) return why;
-  ji_wd_device_replaced();
+  ji_pool_device_replaced();
   snprintf(json, sizeof json,
            "{\"event\": \"shim_device_replaced\", \"t\": %.6f, \"rank\": %d, \"pid\": %d, \"epoch\": %d, "
            "\"device\": \"%s\", \"old_device\": \"%s\", \"allocations\": %zu, \"parked_s\": %.6f}",
            wall(), rank, (int)getpid(), epoch, uuid, old, n, wall() - parked);
-  ji_wd_write_event(json);
+  ji_event_write(json);
   return NULL;
 }
 
@@ -258,7 +258,7 @@ const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nl
   ji_alloc_key *k;
   size_t n = ji_alloc_keys(&k);
   const char *why = NULL;
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (int j = 0; j < nlost && !why; j++) {
     if (me != donor && me != lost[j]) continue;
     for (size_t i = 0; i < n && !why; i++) {
@@ -268,7 +268,7 @@ const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nl
     }
   }
   if (!why && (me == donor || n) && sync(s) != cudaSuccess) why = "refill: the transfers did not complete";
-  ji_tls_depth--;
+  ji_tls.depth--;
   free(k);
   return why;
 }

@@ -1,4 +1,16 @@
-/* shim_internal.h - declarations shared by the shim's translation units. */
+/*
+ * shim_internal.h - declarations shared by the shim's translation units, one
+ * section per module, lowest layer first:
+ *   base      core, vh, store, gil, pool, comms, trigger, watchlist
+ *   replay    replay
+ *   recovery  device, recover, transparent
+ *   watchdog  watchdog
+ *   entry     phases, cuda, nccl, v12 (the application's calls)
+ * A module calls only modules of its own layer listed before it, or of a
+ * lower layer (entry modules call each other): the watchdog calls the
+ * recovery, the recovery the replay, never the other way.
+ * scripts/check_shim_layers.py checks this on the object files.
+ */
 #ifndef JI_SHIM_INTERNAL_H
 #define JI_SHIM_INTERNAL_H
 
@@ -19,7 +31,7 @@
  * thread-local access a single %fs-relative load on the hot path. */
 #define JI_TLS __thread __attribute__((tls_model("initial-exec")))
 
-/* ---- real symbols and counters (shim_core.c) ---- */
+/* ---- real symbols, counters, environment, statistics (shim_core.c) ---- */
 #define JI_FNTYPE_(name, ret, params, args, lib, flags) typedef ret(*ji_fn_##name) params;
 JI_TABLE(JI_FNTYPE_)
 #undef JI_FNTYPE_
@@ -44,40 +56,45 @@ typedef struct ji_cblock {
   _Atomic uint64_t c[JI_N_SYMS];
   struct ji_cblock *next;
 } ji_cblock;
-extern JI_TLS ji_cblock *ji_tls_cnt;
 JI_HIDDEN ji_cblock *ji_cblock_new(void);
-/* In-place recovery gate (shim_transparent.c): every hook passes here after
- * its depth check; one relaxed load unless a recovery is running. */
-extern _Atomic int ji_rcv_active;
-JI_HIDDEN void ji_rcv_gate(void);
-/* Set by a hook's failed call after a lost-device recovery in replay mode: the
- * record the hook logs next is executed at its commit (shim_replay.c). */
-extern JI_TLS int ji_tls_reissue;
-JI_HIDDEN __attribute__((noreturn)) void ji_rcv_reissue_failed(int status);
-static inline void ji_count(int id) {
-  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
-  if (JI_UNLIKELY(ji_tls_reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
-  ji_cblock *b = ji_tls_cnt;
-  if (JI_UNLIKELY(!b)) b = ji_cblock_new();
-  if (JI_UNLIKELY(!b)) return;
-  atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
-                        memory_order_relaxed);
-}
-#define COUNT(name) ji_count(JI_ID_##name)
 
-/* Depth of shim frames on this thread: calls the runtime makes into other
- * hooked entry points while serving our call (the stand-in's libnccl calling
- * libcudart through the PLT, for example) must pass straight through, or they
- * would be logged and counted twice and see physical handles as foreign. */
-extern JI_TLS int ji_tls_depth;
-/* Set while this thread runs the hang handler (the trigger thread). */
-extern JI_TLS int ji_tls_trigger;
-/* Per-thread replay-log pause (jitintercept_log_suspend). */
-extern JI_TLS int ji_tls_log_off;
+/* Everything a hook reads about its own thread, in one thread-local block:
+ * one TLS offset per hook, every field %fs-relative. */
+typedef struct ji_thread {
+  /* Depth of shim frames on this thread: calls the runtime makes into other
+   * hooked entry points while serving our call (the stand-in's libnccl
+   * calling libcudart through the PLT, for example) must pass straight
+   * through, or they would be logged and counted twice and see physical
+   * handles as foreign. */
+  int depth;
+  /* Set while this thread runs the hang handler (the trigger thread). */
+  int trigger;
+  /* Replay-log pause (jitintercept_log_suspend, the handler). */
+  int log_off;
+  /* Set by a hook's failed call after a lost-device recovery in replay mode:
+   * the record the hook logs next is executed at its commit (ji_rcv_reissue). */
+  int reissue;
+  /* Set between ji_rcv_begin and ji_rcv_after_block: a blocking hook redoes
+   * a call that met a lost device itself (no re-issue from the log). */
+  int in_block;
+  ji_cblock *cnt;
+} ji_thread;
+extern JI_TLS ji_thread ji_tls;
 
 JI_HIDDEN double ji_now(void);
 JI_HIDDEN const char *ji_getenv(const char *name);
+/* A non-negative number from the environment, or dflt. */
+JI_HIDDEN double ji_env_num(const char *name, double dflt);
 JI_HIDDEN void *ji_sym_in_lib(int lib, const char *name);
+
+/* Statistics by name (jitintercept_stat). */
+enum { JI_ST_REDIRECTS, JI_ST_TRIGGERS, JI_ST_GIL_SIGNALS, JI_ST_GIL_RELEASED, JI_ST_WATCHED,
+       JI_ST_COMPLETED, JI_ST_OVERFLOW_TOTAL, JI_ST_N };
+extern _Atomic uint64_t ji_stats[JI_ST_N];
+
+/* Errors after which the context is unusable (cudaErrorIllegalAddress and
+ * its family: launch failure, illegal instruction, misaligned address, ...). */
+static inline int ji_sticky_cuda(int rc) { return rc == 700 || (rc >= 714 && rc <= 719) || rc == 999; }
 
 /* ---- virtual handles (shim_vh.c) ---- */
 enum { JI_VK_STREAM = 1, JI_VK_EVENT = 2, JI_VK_COMM = 3 };
@@ -122,7 +139,25 @@ static inline void *ji_phys(const void *h) {
 enum { JI_VM_STREAMS = 1, JI_VM_EVENTS = 2, JI_VM_COMMS = 4 };
 extern int ji_vh_mode;
 extern _Atomic int ji_pm_used;
-JI_HIDDEN ji_vh *ji_pm_get(const void *phys);
+/* physical handle -> shadow record: open addressing, pointer keys, linear
+ * probing (shim_vh.c). Readers are lock-free: acquire load of the key, value
+ * stored before the key is published. */
+#define JI_PM_CAP (1u << 16)
+#define JI_PM_PROBE 64
+extern _Atomic(void *) ji_pm_key[JI_PM_CAP];
+extern _Atomic(ji_vh *) ji_pm_val[JI_PM_CAP];
+static inline size_t ji_pm_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48); }
+static inline ji_vh *ji_pm_get(const void *phys) {
+  if (!phys) return NULL;
+  size_t h = ji_pm_hash(phys);
+  for (unsigned i = 0; i < JI_PM_PROBE; i++) {
+    size_t s = (h + i) & (JI_PM_CAP - 1);
+    void *k = atomic_load_explicit(&ji_pm_key[s], memory_order_acquire);
+    if (JI_LIKELY(k == phys)) return atomic_load_explicit(&ji_pm_val[s], memory_order_relaxed);
+    if (!k) return NULL;
+  }
+  return NULL;
+}
 /* Record for an application handle, virtual or physical; NULL if unknown. */
 static inline ji_vh *ji_slot(const void *h) {
   ji_vh *v = ji_vh_of(h);
@@ -144,33 +179,100 @@ struct ji_comm_info {
   int color, key;
 };
 
-/* ---- NCCL stream bookkeeping for default/per-thread streams ---- */
+/* NCCL streams: a stream record's JI_VH_NCCL flag, and a small list for
+ * streams that have no record (stream 0, per-thread, created before the shim). */
 JI_HIDDEN void ji_mark_nccl_stream(cudaStream_t vstream, int coll_id);
-JI_HIDDEN int ji_is_nccl_stream(cudaStream_t vstream);
+extern _Atomic int ji_nv_n;
+JI_HIDDEN int ji_is_nv_stream(cudaStream_t s);
+static inline int ji_is_nccl_stream(cudaStream_t s) {
+  ji_vh *v = ji_slot(s);
+  if (v) return (atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL) != 0;
+  return atomic_load_explicit(&ji_nv_n, memory_order_relaxed) && ji_is_nv_stream(s);
+}
+JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
+JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
 
-/* ---- watchdog (shim_watchdog.c) ---- */
-JI_HIDDEN void ji_wd_start(void);
-JI_HIDDEN void ji_wd_comm_add(ji_vh *vc);
-JI_HIDDEN void ji_wd_comm_remove(ji_vh *vc);
-JI_HIDDEN void ji_wd_collective(int id, cudaStream_t vstream, ji_vh *vcomm);
-JI_HIDDEN void ji_wd_group_start(void);
-JI_HIDDEN void ji_wd_group_end(int ok);
-JI_HIDDEN void ji_wd_stream_wait(cudaStream_t vstream, ji_vh *vev);
-JI_HIDDEN void ji_wd_reset(void);
-extern _Atomic int ji_trigger_active;
-extern int ji_redirect_enabled;
-enum { JI_ST_REDIRECTS, JI_ST_TRIGGERS, JI_ST_GIL_SIGNALS, JI_ST_GIL_RELEASED, JI_ST_WATCHED,
-       JI_ST_COMPLETED, JI_ST_OVERFLOW_TOTAL, JI_ST_N };
-extern _Atomic uint64_t ji_stats[JI_ST_N];
-JI_HIDDEN cudaStream_t ji_private_stream(void);
+/* ---- TCPStore client (shim_store.c) ---- */
+JI_HIDDEN int ji_store_available(void);
+JI_HIDDEN int ji_store_set(const char *key, const void *val, size_t n, double timeout_s);
+JI_HIDDEN int ji_store_add(const char *key, int64_t delta, int64_t *out, double timeout_s);
+JI_HIDDEN int ji_store_check(const char *key, double timeout_s);
+JI_HIDDEN int ji_store_get(const char *key, void *val, size_t n, double timeout_s);
+JI_HIDDEN void ji_store_atfork_child(void);
+JI_HIDDEN void ji_store_close(void);
 
-/* Blocking-call bracket: marks this thread parked in the runtime so the
- * watchdog may ask it, by signal, to release the GIL (see shim_gil.c). */
+/* ---- parking and the GIL (shim_gil.c) ----
+ * Blocking-call bracket: marks this thread parked in the runtime so the
+ * watchdog may ask it, by signal, to release the GIL. */
 JI_HIDDEN void ji_park_enter(void);
 JI_HIDDEN void ji_park_exit(void);
 JI_HIDDEN int ji_gil_release_parked(double wait_s);
 
-/* ---- replay log (shim_replay.c) ---- */
+/* ---- the shim's own stream and events; draining (shim_pool.c) ---- */
+JI_HIDDEN cudaStream_t ji_private_stream(void);
+JI_HIDDEN void ji_private_stream_make(void);
+JI_HIDDEN void *ji_pool_get(void);
+JI_HIDDEN void ji_pool_put(void *e);
+JI_HIDDEN void ji_pool_device_replaced(void);
+JI_HIDDEN void ji_pool_atfork_child(void);
+/* Records an event on every stream and polls them until done or the
+ * deadline. 0: drained; -1: timeout; >0: CUDA error. */
+JI_HIDDEN int ji_drain_streams(double deadline);
+
+/* ---- live communicators (shim_comms.c) ---- */
+JI_HIDDEN void ji_comms_add(ji_vh *vc);
+JI_HIDDEN void ji_comms_remove(ji_vh *vc);
+JI_HIDDEN int ji_comms_async_error(int *rank);
+JI_HIDDEN void ji_comms_abort_all(void);
+JI_HIDDEN int ji_comms_device(void);
+/* Rank label: the communicator's rank, else RANK, else -1. */
+JI_HIDDEN int ji_comm_rank(const ji_vh *vc);
+JI_HIDDEN void ji_comms_atfork_child(void);
+
+/* ---- the trigger: handler, event line, latch, exit (shim_trigger.c) ---- */
+extern _Atomic int ji_trigger_active;
+extern int ji_redirect_enabled;
+JI_HIDDEN void ji_trigger_configure(void);
+JI_HIDDEN int ji_trigger_claim(void);
+JI_HIDDEN int ji_trigger_fired(void);
+JI_HIDDEN void ji_trigger_release(void);
+JI_HIDDEN void ji_event_write(const char *json);
+JI_HIDDEN void ji_trigger_fire(const char *json);
+JI_HIDDEN void ji_trigger_exit(void) __attribute__((noreturn));
+JI_HIDDEN void ji_trigger_fallback(void) __attribute__((noreturn));
+
+/* ---- what is watched, and for how long (shim_watchlist.c) ---- */
+typedef struct ji_watch {
+  struct ji_watch *next;
+  void *pev;        /* physical event polled */
+  int own;          /* pooled event: back to the pool when done */
+  ji_vh *vev;       /* application event (own == 0) */
+  uint32_t gen;
+  uint64_t rec_seq;
+  void *skey;       /* application stream handle: per-stream FIFO key */
+  int coll;         /* JI_ID_* of the (last) collective */
+  int rank;
+  uint64_t seq;
+  double t_enq, t_start;
+} ji_watch;
+JI_HIDDEN void ji_watch_configure(void);
+JI_HIDDEN double ji_watch_timeout(void);
+JI_HIDDEN void ji_watch_completed(double seconds);
+JI_HIDDEN void ji_watch_collective(int id, cudaStream_t vstream, ji_vh *vcomm);
+JI_HIDDEN void ji_watch_group_start(void);
+JI_HIDDEN void ji_watch_group_end(int ok);
+JI_HIDDEN int ji_watch_group_depth(void);
+JI_HIDDEN void ji_watch_stream_wait(cudaStream_t vstream, ji_vh *vev);
+JI_HIDDEN void ji_watch_reset(void);
+/* The poller takes the whole list and gives back what is still pending (kept
+ * in order, keep_tail = the last kept entry's next field; keep NULL: none)
+ * and what is done. */
+JI_HIDDEN ji_watch *ji_watch_detach(uint64_t *gen);
+JI_HIDDEN void ji_watch_return(uint64_t gen, ji_watch *keep, ji_watch **keep_tail, ji_watch *done, int ndone);
+JI_HIDDEN int ji_watch_pending(void);
+JI_HIDDEN void ji_watch_atfork_child(void);
+
+/* ---- replay log, allocations, kernel layouts, executor (shim_replay.c) ---- */
 typedef struct ji_rec {
   uint32_t size;  /* bytes of this record, 8-aligned; 0 = not committed */
   uint32_t epoch; /* minibatch number; stale records from earlier epochs end a scan */
@@ -181,12 +283,46 @@ typedef struct ji_rec {
 } ji_rec;
 extern _Atomic int ji_log_armed;
 static inline int ji_log_on(void) {
-  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls_log_off;
+  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls.log_off;
 }
-JI_HIDDEN ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len);
-JI_HIDDEN void ji_log_commit(ji_rec *r);
+extern unsigned char *ji_log_base;
+extern size_t ji_log_cap;
+extern _Atomic uint64_t ji_log_tail;
+extern _Atomic uint32_t ji_log_epoch;
+JI_HIDDEN void ji_log_overflowed(void);
+static inline size_t ji_rec_size(unsigned nargs, size_t blob_len) {
+  return (sizeof(ji_rec) + (size_t)nargs * 8 + blob_len + 7) & ~(size_t)7;
+}
+/* A record of nargs words and blob_len bytes, to be filled and published;
+ * NULL when it does not fit (counted: the minibatch is then unreplayable).
+ * Lock-free: one fetch_add on the tail orders records across threads. */
+static inline ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
+  size_t sz = ji_rec_size(nargs, blob_len);
+  uint64_t off = atomic_fetch_add_explicit(&ji_log_tail, sz, memory_order_relaxed);
+  if (JI_UNLIKELY(off + sz > ji_log_cap || blob_len > UINT32_MAX)) {
+    ji_log_overflowed();
+    return NULL;
+  }
+  ji_rec *r = (ji_rec *)(ji_log_base + off);
+  atomic_store_explicit((_Atomic uint32_t *)&r->size, 0, memory_order_relaxed);
+  r->epoch = atomic_load_explicit(&ji_log_epoch, memory_order_relaxed);
+  r->id = (uint16_t)id;
+  r->nargs = (uint16_t)nargs;
+  r->blob_len = (uint32_t)blob_len;
+  return r;
+}
 static inline unsigned char *ji_rec_blob(ji_rec *r) { return (unsigned char *)&r->a[r->nargs]; }
+/* Publishes a filled record (hooks use ji_log_commit, below). */
+static inline void ji_log_publish(ji_rec *r) {
+  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)ji_rec_size(r->nargs, r->blob_len),
+                        memory_order_release);
+}
 JI_HIDDEN void ji_log_mark_incomplete(void);
+JI_HIDDEN void ji_log_mark_synced(void);
+/* A new minibatch: the log restarts (armed on first use). 0: no log. */
+JI_HIDDEN int ji_log_new_minibatch(void);
+JI_HIDDEN uint64_t ji_log_tail_now(void);
+JI_HIDDEN int ji_log_replayable(const char **why);
 JI_HIDDEN int ji_is_device_ptr(const void *p);
 JI_HIDDEN void ji_alloc_track(void *p, size_t n, uint64_t site);
 /* A live device allocation's name across ranks (site, seq, n) and its address here. */
@@ -197,61 +333,17 @@ JI_HIDDEN void ji_alloc_untrack(void *p);
 /* Kernel parameter layout: number of params (or -1) and their sizes/offsets. */
 JI_HIDDEN int ji_kernel_params(const void *func, int is_kernel_handle, size_t *offs, size_t *sizes, int max);
 JI_HIDDEN void ji_kernel_map(cudaKernel_t k, const void *func);
-
-
-/* ---- in-place recovery (shim_transparent.c, shim_store.c) ---- */
-typedef struct ji_fault {
-  const char *kind;   /* hang | nccl_error | nccl_async_error | cuda_error | peer */
-  const char *source; /* timeout | call | ncclCommGetAsyncError | cudaEventQuery | store */
-  int code;
-  int coll;           /* JI_ID_* of the collective, or -1 */
-  double waited;      /* detection: seconds the collective waited (hangs) */
-} ji_fault;
-extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
-extern _Atomic unsigned ji_rcv_gen;
-extern _Atomic int ji_open_groups;
-extern _Atomic int ji_opt_phase, ji_opt_in_mb;
-/* Set between ji_rcv_begin and ji_rcv_after_block: a blocking hook redoes a
- * call that met a lost device itself (no re-issue from the log). */
-extern JI_TLS int ji_tls_in_block;
-static inline unsigned ji_rcv_begin(void) {
-  ji_tls_in_block = 1;
-  return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
-}
-JI_HIDDEN int ji_rcv_run(const ji_fault *f, int failed_in_group);
-JI_HIDDEN int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl);
-JI_HIDDEN int ji_rcv_nccl_error(int id, int rc);
-JI_HIDDEN int ji_rcv_cuda_error(int rc);
-JI_HIDDEN void ji_rcv_poll_store(void);
-JI_HIDDEN void ji_rcv_quiesce(void);
-JI_HIDDEN int ji_rcv_drain(double deadline);
-JI_HIDDEN int ji_store_available(void);
-JI_HIDDEN int ji_store_set(const char *key, const void *val, size_t n, double timeout_s);
-JI_HIDDEN int ji_store_add(const char *key, int64_t delta, int64_t *out, double timeout_s);
-JI_HIDDEN int ji_store_check(const char *key, double timeout_s);
-JI_HIDDEN int ji_store_get(const char *key, void *val, size_t n, double timeout_s);
-JI_HIDDEN void ji_store_atfork_child(void);
-/* watchdog services used by the recovery */
-JI_HIDDEN int ji_wd_group_depth(void);
-JI_HIDDEN int ji_wd_comm_async_error(int *rank);
-JI_HIDDEN void ji_wd_write_event(const char *json);
-JI_HIDDEN void ji_wd_fallback(void) __attribute__((noreturn));
-JI_HIDDEN void *ji_wd_pool_get(void);
-JI_HIDDEN void ji_wd_pool_put(void *e);
-JI_HIDDEN double ji_wd_timeout(void);
-JI_HIDDEN void ji_wd_rearm_after_recovery(void);
-/* replay services */
-JI_HIDDEN uint64_t ji_log_tail_now(void);
-JI_HIDDEN int ji_log_replayable(const char **why);
-JI_HIDDEN void ji_log_mark_synced(void);
+/* Replays the records before offset `end`, then waits for every stream until
+ * the deadline (-3 when it passes: a second fault). */
 JI_HIDDEN int ji_replay_run(uint64_t end, int *nrec, double deadline);
-JI_HIDDEN void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg);
-JI_HIDDEN void ji_nccl_nv_streams(void **out, int *n, int max);
-/* lost-device recovery (shim_device.c). ji_dev_mode: set once by a constructor.
- * ji_dev_lost: this process's device is gone (set by the recovery's
- * coordinator, cleared once the new device is attached). ji_discard: set by
- * the coordinator for a fault in the optimizer step, cleared by
- * minibatch_begin; read by hooks on any thread. */
+/* Executes one record as its call would have been (no wait). 0 or a status. */
+JI_HIDDEN int ji_replay_record(ji_rec *r);
+
+/* ---- lost device (shim_device.c) ----
+ * ji_dev_mode: set once by a constructor. ji_dev_lost: this process's device
+ * is gone (set by the recovery's coordinator, cleared once the new device is
+ * attached). ji_discard: set by the coordinator for a fault in the optimizer
+ * step, cleared by minibatch_begin; read by hooks on any thread. */
 extern int ji_dev_mode;
 extern _Atomic int ji_dev_lost;
 extern _Atomic int ji_discard;
@@ -263,7 +355,65 @@ JI_HIDDEN const char *ji_dev_precheck(void);
 JI_HIDDEN uint64_t ji_dev_digest(void);
 JI_HIDDEN const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s);
 JI_HIDDEN const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nlost, double deadline);
-JI_HIDDEN void ji_store_close(void);
-JI_HIDDEN void ji_wd_device_replaced(void);
+
+/* ---- re-creating objects behind virtual handles (shim_recover.c) ----
+ * jitintercept_recreate_handles, jitintercept_comm_recreate (public API). */
+
+/* ---- in-place recovery (shim_transparent.c) ---- */
+typedef struct ji_fault {
+  const char *kind;   /* hang | nccl_error | nccl_async_error | cuda_error | peer */
+  const char *source; /* timeout | call | ncclCommGetAsyncError | cudaEventQuery | store */
+  int code;
+  int coll;           /* JI_ID_* of the collective, or -1 */
+  double waited;      /* detection: seconds the collective waited (hangs) */
+} ji_fault;
+extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
+/* Gate: every hook passes it after its depth check (ji_count); one relaxed
+ * load unless a recovery is running. */
+extern _Atomic int ji_rcv_active;
+extern _Atomic unsigned ji_rcv_gen;
+extern _Atomic int ji_open_groups;
+/* Optimizer phase marks (set by shim_phases.c, read by the recovery). */
+extern _Atomic int ji_opt_phase, ji_opt_in_mb, ji_opt_ever;
+JI_HIDDEN void ji_rcv_gate(void);
+/* The watchdog's one entry: a fault it found, or NULL while a collective is
+ * pending (has a peer started an epoch?). Returns when recovered, joined or
+ * postponed; a fallback does not return. */
+JI_HIDDEN void ji_rcv_watchdog(const ji_fault *f);
+/* A fault found on an application thread. -2: postponed (another thread is
+ * inside an NCCL group). */
+JI_HIDDEN int ji_rcv_run(const ji_fault *f, int failed_in_group);
+JI_HIDDEN int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl);
+JI_HIDDEN int ji_rcv_nccl_error(int id, int rc);
+JI_HIDDEN int ji_rcv_cuda_error(int rc);
+/* One store query: joins a peer's epoch if one started (phase marks). */
+JI_HIDDEN void ji_rcv_check_peers(void);
+JI_HIDDEN void ji_rcv_reissue(ji_rec *r);
+JI_HIDDEN __attribute__((noreturn)) void ji_rcv_reissue_failed(int status);
+
+/* ---- the watchdog thread (shim_watchdog.c) ---- */
+JI_HIDDEN void ji_wd_start(void);
+
+/* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
+static inline void ji_count(int id) {
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
+  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
+  ji_cblock *b = ji_tls.cnt;
+  if (JI_UNLIKELY(!b)) b = ji_cblock_new();
+  if (JI_UNLIKELY(!b)) return;
+  atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
+                        memory_order_relaxed);
+}
+#define COUNT(name) ji_count(JI_ID_##name)
+/* Publishes a record; after a lost-device recovery the call that met the lost
+ * device is executed from it now, on the new device. */
+static inline void ji_log_commit(ji_rec *r) {
+  ji_log_publish(r);
+  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue(r);
+}
+static inline unsigned ji_rcv_begin(void) {
+  ji_tls.in_block = 1;
+  return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
+}
 
 #endif

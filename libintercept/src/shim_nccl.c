@@ -17,7 +17,7 @@ JI_TABLE(JI_PROTO_)
 #undef JI_PROTO_
 
 #define NO_LIB ncclSystemError
-#define NCALL(expr) (ji_tls_depth++, __extension__({ ncclResult_t r_ = (expr); ji_tls_depth--; r_; }))
+#define NCALL(expr) (ji_tls.depth++, __extension__({ ncclResult_t r_ = (expr); ji_tls.depth--; r_; }))
 #define NXLATE(out, h)                                                       \
   void *out = (void *)(h);                                                   \
   do {                                                                       \
@@ -31,46 +31,6 @@ JI_TABLE(JI_PROTO_)
 
 static inline int ok(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
 
-/* NCCL streams that are not virtual handles (stream 0, per-thread, created
- * before the shim): few, so a small append-only array scanned linearly. */
-#define NV_MAX 32
-static _Atomic(void *) nv_streams[NV_MAX];
-static _Atomic int nv_n;
-
-void ji_mark_nccl_stream(cudaStream_t s, int coll) {
-  ji_vh *v = ji_slot(s);
-  if (v) {
-    if (!(atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL))
-      atomic_fetch_or(&v->sflags, JI_VH_NCCL);
-    atomic_store_explicit(&v->last_coll, (uint32_t)coll, memory_order_relaxed);
-    return;
-  }
-  if (ji_is_nccl_stream(s)) return;
-  int i = atomic_fetch_add(&nv_n, 1);
-  if (i < NV_MAX) atomic_store(&nv_streams[i], (void *)s);
-}
-
-int ji_is_nccl_stream(cudaStream_t s) {
-  ji_vh *v = ji_slot(s);
-  if (v) return (atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL) != 0;
-  int n = atomic_load_explicit(&nv_n, memory_order_relaxed);
-  if (n > NV_MAX) n = NV_MAX;
-  for (int i = 0; i < n; i++)
-    if (atomic_load_explicit(&nv_streams[i], memory_order_relaxed) == (void *)s) return 1;
-  return 0;
-}
-
-void ji_nccl_nv_streams(void **out, int *n, int max) {
-  int m = atomic_load(&nv_n);
-  if (m > NV_MAX) m = NV_MAX;
-  for (int i = 0; i < m; i++) {
-    void *s = atomic_load(&nv_streams[i]);
-    int dup = 0;
-    for (int j = 0; j < *n; j++) dup |= out[j] == s;
-    if (!dup && *n < max) out[(*n)++] = s;
-  }
-}
-
 static void log_words(int id, unsigned n, const uint64_t *w) {
   if (!ji_log_on()) return;
   ji_rec *r = ji_log_reserve(id, n, 0);
@@ -82,7 +42,7 @@ static void log_words(int id, unsigned n, const uint64_t *w) {
 JI_API ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
   ji_fn_ncclGetUniqueId fn = REAL(ncclGetUniqueId);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(uniqueId);
+  if (ji_tls.depth) return fn(uniqueId);
   COUNT(ncclGetUniqueId);
   return NCALL(fn(uniqueId));
 }
@@ -108,7 +68,7 @@ static ji_vh *wrap_comm(ncclComm_t phys, int nranks, const ncclUniqueId *id, int
   ci->color = color;
   ci->key = key;
   v->comm = ci;
-  ji_wd_comm_add(v);
+  ji_comms_add(v);
   ji_wd_start();
   return v;
 }
@@ -120,7 +80,7 @@ static ncclResult_t comm_init(int id, ncclComm_t *comm, int nranks, ncclUniqueId
 #define CI_CALL(p)                                                                        \
   (id == JI_ID_ncclCommInitRank ? ((ji_fn_ncclCommInitRank)fn)(p, nranks, commId, rank) \
                                 : ((ji_fn_ncclCommInitRankConfig)fn)(p, nranks, commId, rank, config))
-  if (ji_tls_depth || !comm) return CI_CALL(comm);
+  if (ji_tls.depth || !comm) return CI_CALL(comm);
   ji_count(id);
   ncclComm_t phys = NULL;
   ji_park_enter();
@@ -145,7 +105,7 @@ JI_API ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUni
 JI_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
   ji_fn_ncclCommSplit fn = REAL(ncclCommSplit);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth || !newcomm) return fn(comm, color, key, newcomm, config);
+  if (ji_tls.depth || !newcomm) return fn(comm, color, key, newcomm, config);
   COUNT(ncclCommSplit);
   NXLATE(pc, comm);
   ncclComm_t phys = NULL;
@@ -173,12 +133,12 @@ JI_API ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
 static ncclResult_t comm_end(int id, ncclComm_t comm) {
   ji_fn_ncclCommDestroy fn = (ji_fn_ncclCommDestroy)ji_real(id);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   ji_count(id);
   NXLATE(pc, comm);
   ji_vh *v = ji_slot(comm);
   /* Out of the watchdog's poll set before the object goes away. */
-  if (v) ji_wd_comm_remove(v);
+  if (v) ji_comms_remove(v);
   if (id == JI_ID_ncclCommDestroy) ji_park_enter();
   ncclResult_t r = NCALL(fn((ncclComm_t)pc));
   if (id == JI_ID_ncclCommDestroy) ji_park_exit();
@@ -193,7 +153,7 @@ JI_API ncclResult_t ncclCommAbort(ncclComm_t comm) { return comm_end(JI_ID_ncclC
 JI_API ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
   ji_fn_ncclCommGetAsyncError fn = REAL(ncclCommGetAsyncError);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm, asyncError);
+  if (ji_tls.depth) return fn(comm, asyncError);
   COUNT(ncclCommGetAsyncError);
   NXLATE(pc, comm);
   return NCALL(fn((ncclComm_t)pc, asyncError));
@@ -202,195 +162,95 @@ JI_API ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncEr
 /* Common tail of every collective: log, mark the stream, tell the watchdog. */
 static void coll_done(int id, ncclComm_t comm, cudaStream_t stream, const uint64_t *w, unsigned n) {
   ji_mark_nccl_stream(stream, id);
-  ji_wd_collective(id, stream, ji_slot(comm));
+  ji_watch_collective(id, stream, ji_slot(comm));
   log_words(id, n, w);
 }
 
-#define COLL_PRE(name, ...)                       \
-  ji_fn_##name fn = REAL(name);                   \
-  if (!fn) return NO_LIB;                         \
-  if (ji_tls_depth) return fn(__VA_ARGS__);       \
-  COUNT(name);                                    \
-  if (JI_DISCARDED()) return ncclSuccess;         \
-  NXLATE(pc, comm);                               \
-  NXLATE(ps, stream)
+/* One collective hook. `args` is the call's argument list with the
+ * communicator and stream written as c_ and s_: the application's handles
+ * when the runtime calls back into us, else the physical ones. The call is
+ * parked (it may block behind a hung peer); in recover mode an NCCL error
+ * recovers (or joins a recovery) and the call is made again against the
+ * re-created communicator and stream. `...`: the record's words, in the
+ * order the replay reads them (send, recv, count, type, op/root/peer, comm,
+ * stream[, root]). */
+#define COLLECTIVE(name, args, ...)                                                          \
+  ji_fn_##name fn = REAL(name);                                                              \
+  if (!fn) return NO_LIB;                                                                    \
+  ncclComm_t c_ = comm;                                                                      \
+  cudaStream_t s_ = stream;                                                                  \
+  if (ji_tls.depth) return fn args;                                                          \
+  COUNT(name);                                                                               \
+  if (JI_DISCARDED()) return ncclSuccess;                                                    \
+  ncclResult_t r_;                                                                           \
+  do {                                                                                       \
+    NXLATE(pc_, comm);                                                                       \
+    NXLATE(ps_, stream);                                                                     \
+    c_ = (ncclComm_t)pc_, s_ = (cudaStream_t)ps_;                                            \
+    ji_park_enter();                                                                         \
+    r_ = NCALL(fn args);                                                                     \
+    ji_park_exit();                                                                          \
+  } while (JI_UNLIKELY(!ok(r_)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_##name, r_));      \
+  if (ok(r_)) {                                                                              \
+    uint64_t w_[] = {__VA_ARGS__};                                                           \
+    coll_done(JI_ID_##name, comm, stream, w_, sizeof w_ / sizeof w_[0]);                     \
+  }                                                                                          \
+  return r_
 
 JI_API ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                   ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-  COLL_PRE(ncclAllReduce, sendbuff, recvbuff, count, datatype, op, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclAllReduce, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream)};
-    coll_done(JI_ID_ncclAllReduce, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclAllReduce, (sendbuff, recvbuff, count, datatype, op, c_, s_), U(sendbuff), U(recvbuff), count,
+             (uint64_t)datatype, (uint64_t)op, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                   int root, ncclComm_t comm, cudaStream_t stream) {
-  COLL_PRE(ncclBroadcast, sendbuff, recvbuff, count, datatype, root, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, recvbuff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclBroadcast, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm),
-                     U(stream)};
-    coll_done(JI_ID_ncclBroadcast, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclBroadcast, (sendbuff, recvbuff, count, datatype, root, c_, s_), U(sendbuff), U(recvbuff), count,
+             (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype,
                                ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
-  COLL_PRE(ncclReduce, sendbuff, recvbuff, count, datatype, op, root, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, recvbuff, count, datatype, op, root, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclReduce, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[8] = {U(sendbuff), U(recvbuff), count, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream),
-                     (uint64_t)(int64_t)root};
-    coll_done(JI_ID_ncclReduce, comm, stream, w, 8);
-  }
-  return r;
+  COLLECTIVE(ncclReduce, (sendbuff, recvbuff, count, datatype, op, root, c_, s_), U(sendbuff), U(recvbuff), count,
+             (uint64_t)datatype, (uint64_t)op, U(comm), U(stream), (uint64_t)(int64_t)root);
 }
 
 JI_API ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, ncclDataType_t datatype,
                                   ncclComm_t comm, cudaStream_t stream) {
-  COLL_PRE(ncclAllGather, sendbuff, recvbuff, sendcount, datatype, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, recvbuff, sendcount, datatype, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclAllGather, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(sendbuff), U(recvbuff), sendcount, (uint64_t)datatype, 0, U(comm), U(stream)};
-    coll_done(JI_ID_ncclAllGather, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclAllGather, (sendbuff, recvbuff, sendcount, datatype, c_, s_), U(sendbuff), U(recvbuff), sendcount,
+             (uint64_t)datatype, 0, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
                                       ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
                                       cudaStream_t stream) {
-  COLL_PRE(ncclReduceScatter, sendbuff, recvbuff, recvcount, datatype, op, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, recvbuff, recvcount, datatype, op, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclReduceScatter, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(sendbuff), U(recvbuff), recvcount, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream)};
-    coll_done(JI_ID_ncclReduceScatter, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclReduceScatter, (sendbuff, recvbuff, recvcount, datatype, op, c_, s_), U(sendbuff), U(recvbuff),
+             recvcount, (uint64_t)datatype, (uint64_t)op, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                              cudaStream_t stream) {
-  COLL_PRE(ncclSend, sendbuff, count, datatype, peer, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(sendbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclSend, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(sendbuff), 0, count, (uint64_t)datatype, (uint64_t)(int64_t)peer, U(comm), U(stream)};
-    coll_done(JI_ID_ncclSend, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclSend, (sendbuff, count, datatype, peer, c_, s_), U(sendbuff), 0, count, (uint64_t)datatype,
+             (uint64_t)(int64_t)peer, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                              cudaStream_t stream) {
-  COLL_PRE(ncclRecv, recvbuff, count, datatype, peer, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(recvbuff, count, datatype, peer, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclRecv, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {0, U(recvbuff), count, (uint64_t)datatype, (uint64_t)(int64_t)peer, U(comm), U(stream)};
-    coll_done(JI_ID_ncclRecv, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclRecv, (recvbuff, count, datatype, peer, c_, s_), 0, U(recvbuff), count, (uint64_t)datatype,
+             (uint64_t)(int64_t)peer, U(comm), U(stream));
 }
 
 JI_API ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
                               cudaStream_t stream) {
-  COLL_PRE(ncclBcast, buff, count, datatype, root, comm, stream);
-  ncclResult_t r;
-retry:
-  ji_park_enter();
-  r = NCALL(fn(buff, count, datatype, root, (ncclComm_t)pc, (cudaStream_t)ps));
-  ji_park_exit();
-  if (JI_UNLIKELY(!ok(r)) && ji_rcv_mode && ji_rcv_nccl_error(JI_ID_ncclBcast, r)) {
-    NXLATE(pc2, comm);
-    NXLATE(ps2, stream);
-    pc = pc2, ps = ps2;
-    goto retry;
-  }
-  if (ok(r)) {
-    uint64_t w[7] = {U(buff), U(buff), count, (uint64_t)datatype, (uint64_t)(int64_t)root, U(comm), U(stream)};
-    coll_done(JI_ID_ncclBcast, comm, stream, w, 7);
-  }
-  return r;
+  COLLECTIVE(ncclBcast, (buff, count, datatype, root, c_, s_), U(buff), U(buff), count, (uint64_t)datatype,
+             (uint64_t)(int64_t)root, U(comm), U(stream));
 }
 
 /* Calls that only take a communicator: translate and forward. */
 JI_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   ji_fn_ncclCommFinalize fn = REAL(ncclCommFinalize);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   COUNT(ncclCommFinalize);
   NXLATE(pc, comm);
   ji_park_enter();
@@ -402,7 +262,7 @@ JI_API ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   JI_API ncclResult_t name params {                 \
     ji_fn_##name fn = REAL(name);                   \
     if (!fn) return NO_LIB;                         \
-    if (ji_tls_depth) return fn(comm, __VA_ARGS__); \
+    if (ji_tls.depth) return fn(comm, __VA_ARGS__); \
     COUNT(name);                                    \
     NXLATE(pc, comm);                               \
     return NCALL(fn((ncclComm_t)pc, __VA_ARGS__));  \
@@ -416,25 +276,25 @@ COMM_FWD(ncclCommDeregister, (const ncclComm_t comm, void *handle), handle)
 JI_API const char *ncclGetLastError(ncclComm_t comm) {
   ji_fn_ncclGetLastError fn = REAL(ncclGetLastError);
   if (!fn) return "libnccl is not loaded";
-  if (ji_tls_depth) return fn(comm);
+  if (ji_tls.depth) return fn(comm);
   COUNT(ncclGetLastError);
   ji_vh *v = ji_vh_of(comm);
   void *pc = v ? atomic_load(&v->phys) : (void *)comm;
-  ji_tls_depth++;
+  ji_tls.depth++;
   const char *r = fn((ncclComm_t)pc);
-  ji_tls_depth--;
+  ji_tls.depth--;
   return r;
 }
 
 JI_API ncclResult_t ncclGroupStart(void) {
   ji_fn_ncclGroupStart fn = REAL(ncclGroupStart);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn();
+  if (ji_tls.depth) return fn();
   COUNT(ncclGroupStart);
   ncclResult_t r = NCALL(fn());
   if (ok(r)) {
-    if (ji_wd_group_depth() == 0) atomic_fetch_add(&ji_open_groups, 1);
-    ji_wd_group_start();
+    if (ji_watch_group_depth() == 0) atomic_fetch_add(&ji_open_groups, 1);
+    ji_watch_group_start();
     log_words(JI_ID_ncclGroupStart, 0, NULL);
   }
   return r;
@@ -443,7 +303,7 @@ JI_API ncclResult_t ncclGroupStart(void) {
 JI_API ncclResult_t ncclGroupEnd(void) {
   ji_fn_ncclGroupEnd fn = REAL(ncclGroupEnd);
   if (!fn) return NO_LIB;
-  if (ji_tls_depth) return fn();
+  if (ji_tls.depth) return fn();
   COUNT(ncclGroupEnd);
   ncclResult_t r;
   for (;;) {
@@ -455,8 +315,8 @@ JI_API ncclResult_t ncclGroupEnd(void) {
      * end it again. */
     if (JI_LIKELY(ok(r)) || !ji_rcv_mode || !ji_rcv_nccl_error(JI_ID_ncclGroupEnd, r)) break;
   }
-  if (ji_wd_group_depth() == 1) atomic_fetch_sub(&ji_open_groups, 1);
-  ji_wd_group_end(ok(r));
+  if (ji_watch_group_depth() == 1) atomic_fetch_sub(&ji_open_groups, 1);
+  ji_watch_group_end(ok(r));
   if (ok(r)) log_words(JI_ID_ncclGroupEnd, 0, NULL);
   return r;
 }

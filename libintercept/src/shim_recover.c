@@ -46,11 +46,11 @@ static void recreate_event(ji_vh *v, void *p) {
 
 JI_API int jitintercept_recreate_handles(int destroy_old) {
   struct rc_arg a = {destroy_old, 0, 0};
-  ji_wd_reset();
-  ji_tls_depth++;
+  ji_watch_reset();
+  ji_tls.depth++;
   ji_vh_foreach(JI_VK_STREAM, recreate_stream, &a);
   ji_vh_foreach(JI_VK_EVENT, recreate_event, &a);
-  ji_tls_depth--;
+  ji_tls.depth--;
   return a.err ? -a.err : a.n;
 }
 
@@ -65,8 +65,8 @@ JI_API int jitintercept_comm_recreate(void *comm, const void *unique_id) {
   ncclUniqueId id;
   memcpy(&id, unique_id, sizeof id);
   ncclComm_t fresh = NULL;
-  ji_wd_comm_remove(v);
-  ji_tls_depth++;
+  ji_comms_remove(v);
+  ji_tls.depth++;
   /* Abort first: the old communicator may be stuck in a collective and its
    * streams blocked; abort is the call that unblocks them. */
   void *old = atomic_load(&v->phys);
@@ -75,13 +75,13 @@ JI_API int jitintercept_comm_recreate(void *comm, const void *unique_id) {
   if (ci->has_config && irc) r = irc(&fresh, ci->nranks, id, ci->rank, &ci->config);
   else if (ir) r = ir(&fresh, ci->nranks, id, ci->rank);
   else r = ncclSystemError;
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (r != ncclSuccess && r != ncclInProgress) {
     atomic_store(&v->phys, NULL);
     return r;
   }
   ci->id = id;
   atomic_store(&v->phys, (void *)fresh);
-  ji_wd_comm_add(v);
+  ji_comms_add(v);
   return r;
 }

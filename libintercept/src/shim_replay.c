@@ -4,7 +4,8 @@
  *
  * Log: one mmap'ed arena of JITCKPT_REPLAY_CAP_MB (default 64) MiB. Appending
  * is a fetch_add on the tail (lock-free, global order across threads), a
- * fill, and a release-store of the record size (its commit). A record that
+ * fill, and a release-store of the record size (its commit); the hooks do it
+ * inline (ji_log_reserve, ji_log_commit in shim_internal.h). A record that
  * does not fit is dropped and counted; the minibatch is then marked
  * unreplayable. jitintercept_minibatch_begin() bumps the epoch and resets the
  * tail; records carry the epoch, so leftovers of earlier minibatches beyond
@@ -27,10 +28,10 @@
 #include "shim_internal.h"
 
 _Atomic int ji_log_armed;
-static unsigned char *log_base;
-static size_t log_cap;
-static _Atomic uint64_t log_tail;
-static _Atomic uint32_t log_epoch;
+unsigned char *ji_log_base;
+size_t ji_log_cap;
+_Atomic uint64_t ji_log_tail;
+_Atomic uint32_t ji_log_epoch;
 static _Atomic uint64_t log_overflow;
 static _Atomic int log_incomplete;
 /* Log offset at the last blocking call that completed (the application has
@@ -42,79 +43,50 @@ static int log_arm(void) {
   const char *e = ji_getenv("JITCKPT_REPLAY_LOG");
   if (e && !strcmp(e, "0")) return 0;
   pthread_mutex_lock(&log_mu);
-  if (!log_base) {
+  if (!ji_log_base) {
     const char *c = ji_getenv("JITCKPT_REPLAY_CAP_MB");
     double mb = c ? strtod(c, NULL) : 64;
     if (mb <= 0) mb = 64;
     size_t cap = (size_t)(mb * 1048576.0);
     cap = (cap + 4095) & ~(size_t)4095;
     void *p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p != MAP_FAILED) log_base = p, log_cap = cap;
+    if (p != MAP_FAILED) ji_log_base = p, ji_log_cap = cap;
   }
   pthread_mutex_unlock(&log_mu);
-  return log_base != NULL;
+  return ji_log_base != NULL;
 }
 
 __attribute__((constructor)) static void log_ctor(void) {
   const char *e = ji_getenv("JITCKPT_REPLAY_LOG");
   if (e && !strcmp(e, "1") && log_arm()) {
-    atomic_store(&log_epoch, 1);
+    atomic_store(&ji_log_epoch, 1);
     atomic_store(&ji_log_armed, 1);
   }
 }
 
-ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
-  size_t sz = (sizeof(ji_rec) + (size_t)nargs * 8 + blob_len + 7) & ~(size_t)7;
-  uint64_t off = atomic_fetch_add_explicit(&log_tail, sz, memory_order_relaxed);
-  if (JI_UNLIKELY(off + sz > log_cap || blob_len > UINT32_MAX)) {
-    atomic_fetch_add_explicit(&log_overflow, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&ji_stats[JI_ST_OVERFLOW_TOTAL], 1, memory_order_relaxed);
-    return NULL;
-  }
-  ji_rec *r = (ji_rec *)(log_base + off);
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, 0, memory_order_relaxed);
-  r->epoch = atomic_load_explicit(&log_epoch, memory_order_relaxed);
-  r->id = (uint16_t)id;
-  r->nargs = (uint16_t)nargs;
-  r->blob_len = (uint32_t)blob_len;
-  /* The size is stashed in the word after the header until commit. */
-  return r;
-}
-
-static void reissue(ji_rec *r);
-
-void ji_log_commit(ji_rec *r) {
-  size_t sz = (sizeof(ji_rec) + (size_t)r->nargs * 8 + r->blob_len + 7) & ~(size_t)7;
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)sz, memory_order_release);
-  if (JI_UNLIKELY(ji_tls_reissue)) { /* this call failed with the lost device: do it now, on the new one */
-    ji_tls_reissue = 0;
-    reissue(r);
-  }
+void ji_log_overflowed(void) {
+  atomic_fetch_add_explicit(&log_overflow, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&ji_stats[JI_ST_OVERFLOW_TOTAL], 1, memory_order_relaxed);
 }
 
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
 
-JI_API void jitintercept_minibatch_begin(void) {
-  /* Collectives issued in the previous optimizer phase (a grad-norm
-   * all-reduce on the compute stream, say) must be known good before the log
-   * is reset: a fault in them falls back instead of being replayed wrongly. */
-  if (ji_rcv_mode && atomic_load(&ji_opt_in_mb)) ji_rcv_quiesce();
+int ji_log_new_minibatch(void) {
   if (!atomic_load(&ji_log_armed)) {
-    if (!log_arm()) return;
+    if (!log_arm()) return 0;
     atomic_store(&ji_log_armed, 1);
   }
-  atomic_fetch_add(&log_epoch, 1);
-  atomic_store(&log_tail, 0);
+  atomic_fetch_add(&ji_log_epoch, 1);
+  atomic_store(&ji_log_tail, 0);
   atomic_store(&log_overflow, 0);
   atomic_store(&log_incomplete, 0);
   atomic_store(&log_synced, 0);
-  atomic_store(&ji_opt_in_mb, 0);
-  atomic_store(&ji_discard, 0); /* a lost-device recovery's skip ends here */
+  return 1;
 }
 
 uint64_t ji_log_tail_now(void) {
-  uint64_t t = atomic_load(&log_tail);
-  return t < log_cap ? t : log_cap;
+  uint64_t t = atomic_load(&ji_log_tail);
+  return t < ji_log_cap ? t : ji_log_cap;
 }
 void ji_log_mark_synced(void) {
   if (atomic_load_explicit(&ji_log_armed, memory_order_relaxed))
@@ -128,7 +100,7 @@ int ji_log_replayable(const char **why) {
   return 0;
 }
 
-JI_API uint64_t jitintercept_minibatch(void) { return atomic_load(&log_epoch); }
+JI_API uint64_t jitintercept_minibatch(void) { return atomic_load(&ji_log_epoch); }
 static ji_rec *rec_next(uint64_t *off);
 /* Counted by a scan: a shared counter would cost every append a locked op. */
 JI_API uint64_t jitintercept_replay_records(void) {
@@ -137,19 +109,19 @@ JI_API uint64_t jitintercept_replay_records(void) {
   return n;
 }
 JI_API uint64_t jitintercept_replay_bytes(void) {
-  uint64_t t = atomic_load(&log_tail);
-  return t < log_cap ? t : log_cap;
+  uint64_t t = atomic_load(&ji_log_tail);
+  return t < ji_log_cap ? t : ji_log_cap;
 }
 JI_API uint64_t jitintercept_replay_overflows(void) { return atomic_load(&log_overflow); }
 
 /* Iterates committed records of the current epoch. */
 static ji_rec *rec_next(uint64_t *off) {
-  uint64_t end = atomic_load(&log_tail);
-  if (end > log_cap) end = log_cap;
-  if (!log_base || *off + sizeof(ji_rec) > end) return NULL;
-  ji_rec *r = (ji_rec *)(log_base + *off);
+  uint64_t end = atomic_load(&ji_log_tail);
+  if (end > ji_log_cap) end = ji_log_cap;
+  if (!ji_log_base || *off + sizeof(ji_rec) > end) return NULL;
+  ji_rec *r = (ji_rec *)(ji_log_base + *off);
   uint32_t sz = atomic_load_explicit((_Atomic uint32_t *)&r->size, memory_order_acquire);
-  if (sz == 0 || r->epoch != atomic_load(&log_epoch) || *off + sz > end) return NULL;
+  if (sz == 0 || r->epoch != atomic_load(&ji_log_epoch) || *off + sz > end) return NULL;
   *off += sz;
   return r;
 }
@@ -166,8 +138,8 @@ JI_API int jitintercept_dump_replay_log(const char *path) {
   fprintf(f,
           "{\"minibatch\": %u, \"records\": %" PRIu64 ", \"bytes\": %" PRIu64 ", \"overflows\": %" PRIu64
           ", \"incomplete\": %s, \"cap\": %zu}\n",
-          atomic_load(&log_epoch), jitintercept_replay_records(), jitintercept_replay_bytes(),
-          atomic_load(&log_overflow), atomic_load(&log_incomplete) ? "true" : "false", log_cap);
+          atomic_load(&ji_log_epoch), jitintercept_replay_records(), jitintercept_replay_bytes(),
+          atomic_load(&log_overflow), atomic_load(&log_incomplete) ? "true" : "false", ji_log_cap);
   uint64_t off = 0;
   ji_rec *r;
   for (unsigned long i = 0; (r = rec_next(&off)); i++) {
@@ -297,9 +269,9 @@ int ji_is_device_ptr(const void *ptr) {
   if (!f) return 0;
   struct ji_ptr_attr a;
   memset(&a, 0, sizeof a);
-  ji_tls_depth++;
+  ji_tls.depth++;
   cudaError_t r = f(&a, ptr);
-  ji_tls_depth--;
+  ji_tls.depth--;
   return r == cudaSuccess && a.type == 2; /* cudaMemoryTypeDevice; managed memory is host-readable */
 }
 
@@ -399,9 +371,9 @@ int ji_kernel_params(const void *f, int is_kernel, size_t *offs, size_t *sizes, 
       const void *k = atomic_load(&s->key);
       if (k == f) { e = s; break; }
       if (!k) {
-        ji_tls_depth++;
+        ji_tls.depth++;
         s->np = query_params(f, is_kernel, s);
-        ji_tls_depth--;
+        ji_tls.depth--;
         /* Unknown layouts are not cached: registration may come later. */
         if (s->np >= 0) {
           atomic_store_explicit(&s->key, f, memory_order_release);
@@ -452,7 +424,7 @@ static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, 
   size_t nscratch = 0;
   ji_rec *r;
   /* Runtime callbacks into hooked symbols during replay must not be logged. */
-  ji_tls_depth++;
+  ji_tls.depth++;
   while (!status && off < end && (r = rec_next(&off))) {
     uint64_t *a = r->a;
     uint64_t roff = off - r->size;
@@ -601,15 +573,15 @@ static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, 
   if (reissue) {
     /* asynchronous, like the original call */
   } else if (deadline > 0) {
-    ji_tls_depth--;
-    int d = ji_rcv_drain(deadline);
-    ji_tls_depth++;
+    ji_tls.depth--;
+    int d = ji_drain_streams(deadline);
+    ji_tls.depth++;
     if (d && !status) status = d < 0 ? -3 : d;
   } else {
     ji_fn_cudaDeviceSynchronize ds = REAL(cudaDeviceSynchronize);
     if (ds) CHK(ds());
   }
-  ji_tls_depth--;
+  ji_tls.depth--;
   if (nrec) *nrec = count;
   for (size_t i = 0; i < nscratch; i++) free(scratch[i]);
   free(scratch);
@@ -618,11 +590,9 @@ static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, 
 
 int ji_replay_run(uint64_t end, int *nrec, double deadline) { return replay_range(0, end, nrec, deadline, 0); }
 
-JI_TLS int ji_tls_reissue;
-
-static void reissue(ji_rec *r) {
-  uint64_t off = (uint64_t)((unsigned char *)r - log_base);
+int ji_replay_record(ji_rec *r) {
+  uint64_t off = (uint64_t)((unsigned char *)r - ji_log_base);
   int n = 0;
   int st = replay_range(off, off + r->size, &n, 0, 1);
-  if (st || n != 1) ji_rcv_reissue_failed(st ? st : -1);
+  return st ? st : n != 1 ? -1 : 0;
 }

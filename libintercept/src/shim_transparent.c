@@ -25,7 +25,11 @@
  *      ncclUniqueId published by its rank 0 under id/E/<k>;
  *   6. replays the minibatch's log (shim_replay.c) and waits, bounded, for
  *      the replayed work; the failed call itself is re-issued by its caller;
- *   7. lowers the gate, re-arms the watchdog, writes one "shim_recovery" line.
+ *   7. clears the watch list, writes one "shim_recovery" line, re-opens the
+ *      trigger latch (shim_trigger.c) and lowers the gate.
+ * Entries: ji_rcv_watchdog (the watchdog's only one), ji_rcv_run and the
+ * hooks' helpers below (application threads), ji_rcv_check_peers (phase
+ * marks). Nothing here calls the watchdog.
  * Whatever cannot be done writes one "shim_recovery" line with outcome
  * "fallback" and the reason, then runs the registered JIT handler (if any)
  * and _exits with JITCKPT_HANG_EXIT_CODE: the process never continues with
@@ -51,7 +55,7 @@ int ji_rcv_mode;
 _Atomic int ji_open_groups;
 _Atomic int ji_opt_phase;     /* 1 between optimizer_begin and optimizer_end */
 _Atomic int ji_opt_in_mb;     /* optimizer_begin seen in the current minibatch */
-static _Atomic int opt_ever;  /* the application uses the phase marks */
+_Atomic int ji_opt_ever;      /* the application uses the phase marks */
 
 static _Atomic int busy;
 static JI_TLS int tls_coord;
@@ -111,71 +115,6 @@ static void gate_down(void) {
   pthread_mutex_unlock(&g_mu);
 }
 
-/* ---------------- helpers ---------------- */
-static int sticky_cuda(int rc) {
-  /* Errors after which the context is unusable (cudaErrorIllegalAddress and
-   * its family: launch failure, illegal instruction, misaligned address, ...). */
-  return rc == 700 || (rc >= 714 && rc <= 719) || rc == 999;
-}
-
-/* Every physical stream the application may have work on: all stream
- * records (virtual and shadow), NCCL streams that are not records, legacy. */
-struct streams {
-  void *s[256];
-  int n;
-};
-static void add_stream(struct streams *ss, void *s) {
-  for (int i = 0; i < ss->n; i++)
-    if (ss->s[i] == s) return;
-  if (ss->n < 256) ss->s[ss->n++] = s;
-}
-static void collect_stream(ji_vh *v, void *p) { add_stream(p, atomic_load(&v->phys)); }
-static void all_streams(struct streams *ss) {
-  ss->n = 0;
-  add_stream(ss, NULL); /* legacy default stream */
-  ji_vh_foreach_all(JI_VK_STREAM, collect_stream, ss);
-  ji_nccl_nv_streams(ss->s, &ss->n, 256);
-}
-
-/* Records an event on every stream and polls them until done or the
- * deadline. 0: drained; -1: timeout; >0: CUDA error. */
-int ji_rcv_drain(double deadline) {
-  struct streams ss;
-  all_streams(&ss);
-  ji_fn_cudaEventRecord rec = REAL(cudaEventRecord);
-  ji_fn_cudaEventQuery q = REAL(cudaEventQuery);
-  if (!rec || !q) return -1;
-  void *ev[256];
-  int ne = 0, rc = 0;
-  ji_tls_depth++;
-  for (int i = 0; i < ss.n; i++) {
-    void *e = ji_wd_pool_get();
-    if (!e) continue;
-    int r = rec((cudaEvent_t)e, (cudaStream_t)ss.s[i]);
-    if (r != cudaSuccess) {
-      if (sticky_cuda(r)) rc = r;
-      ji_wd_pool_put(e);
-      continue;
-    }
-    ev[ne++] = e;
-  }
-  while (!rc) {
-    int pending = 0;
-    for (int i = 0; i < ne; i++) {
-      if (!ev[i]) continue;
-      int r = q((cudaEvent_t)ev[i]);
-      if (r == cudaSuccess) ji_wd_pool_put(ev[i]), ev[i] = NULL;
-      else if (r == cudaErrorNotReady) pending++;
-      else { rc = r; break; }
-    }
-    if (!pending || rc) break;
-    if (ji_now() > deadline) { rc = -1; break; }
-    usleep(500);
-  }
-  ji_tls_depth--;
-  return rc; /* events still pending are leaked: they sit behind work that may never finish */
-}
-
 /* ---------------- the event line ---------------- */
 struct rec_info {
   const ji_fault *f;
@@ -202,12 +141,12 @@ static void emit(const struct rec_info *ri) {
            "\"reason\": \"%s\", \"attempt\": %d}",
            (double)tv.tv_sec + tv.tv_usec * 1e-6, env_int("RANK", -1), (int)getpid(), ri->f->kind, ri->f->source,
            (ri->f->coll >= 0 && ri->f->coll < JI_N_SYMS) ? ji_names[ri->f->coll] : "none", ri->f->code,
-           ri->f->waited, ji_wd_timeout(), ri->epoch, (unsigned long long)jitintercept_minibatch(),
+           ri->f->waited, ji_watch_timeout(), ri->epoch, (unsigned long long)jitintercept_minibatch(),
            ri->f->waited, SPAN(ri->t0, ri->t_abort), SPAN(ri->t_abort, ri->t_agree),
            SPAN(ri->t_agree, ri->t_reinit), SPAN(ri->t_reinit, ri->t_replay), end - ri->t0, ri->replayed,
            ri->outcome, reason, env_int("TORCHELASTIC_RESTART_COUNT", 0));
 #undef SPAN
-  ji_wd_write_event(json);
+  ji_event_write(json);
 }
 
 static void key(char *out, size_t n, const char *what, int epoch, int k) {
@@ -225,7 +164,7 @@ __attribute__((noreturn)) static void fallback(struct rec_info *ri, const char *
     key(k, sizeof k, "bad", ri->epoch, -1);
     ji_store_add(k, 1, NULL, 2.0);
   }
-  ji_wd_fallback(); /* handler (user-level JIT save) if registered, then _exit */
+  ji_trigger_fallback(); /* handler (user-level JIT save) if registered, then _exit */
 }
 
 /* ---------------- communicators ---------------- */
@@ -252,9 +191,9 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
     char kk[300];
     key(kk, sizeof kk, "id", epoch, k);
     if (ci->rank == 0) {
-      ji_tls_depth++;
+      ji_tls.depth++;
       int r = gid ? gid(&id) : ncclSystemError;
-      ji_tls_depth--;
+      ji_tls.depth--;
       if (r != ncclSuccess || ji_store_set(kk, &id, sizeof id, 5.0)) {
         *why = "could not publish the new ncclUniqueId";
         return -1;
@@ -273,7 +212,7 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
       }
     }
     ncclComm_t fresh = NULL;
-    ji_tls_depth++;
+    ji_tls.depth++;
     ncclResult_t r = (ci->has_config && irc) ? irc(&fresh, ci->nranks, id, ci->rank, &ci->config)
                      : ir                     ? ir(&fresh, ci->nranks, id, ci->rank)
                                               : ncclSystemError;
@@ -285,7 +224,7 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
       r = ar;
       if (r == ncclInProgress) usleep(1000);
     }
-    ji_tls_depth--;
+    ji_tls.depth--;
     if (r != ncclSuccess) {
       *why = "re-initializing a communicator failed";
       return -1;
@@ -377,7 +316,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   usleep(2000);
 
   const char *why = NULL;
-  int my_depth = failed_in_group ? ji_wd_group_depth() : 0;
+  int my_depth = failed_in_group ? ji_watch_group_depth() : 0;
   if (atomic_load(&ji_open_groups) > (my_depth > 0)) {
     /* Another thread is between ncclGroupStart and ncclGroupEnd: its group
      * state lives in that thread. Let it finish (it is about to park in a
@@ -391,7 +330,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   struct comms cs = {.n = 0};
   ji_vh_foreach(JI_VK_COMM, collect_comm, &cs);
   if (!cs.n) ji_vh_foreach_all(JI_VK_COMM, collect_comm_any, &cs);
-  int sticky = sticky_cuda(f->code) && !strcmp(f->kind, "cuda_error");
+  int sticky = ji_sticky_cuda(f->code) && !strcmp(f->kind, "cuda_error");
   int lost = ji_dev_mode && (sticky || atomic_load(&ji_dev_lost));
   int in_opt = atomic_load(&ji_opt_phase) || atomic_load(&ji_opt_in_mb);
   if (lost) atomic_store(&ji_dev_lost, 1);
@@ -400,13 +339,13 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
     /* In the optimizer phase the replicas' post-update state is taken instead
      * of a replay (decided with them after the join). */
     if ((why = ji_dev_precheck())) { /* why set */ }
-    else if (!atomic_load(&opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
+    else if (!atomic_load(&ji_opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
       why = "no optimizer phase marks (jitintercept_optimizer_begin/end): cannot tell whether parameters were updated";
     else if (!in_opt && !ji_log_replayable(&why)) { /* why set */ }
   } else if (sticky) why = "sticky CUDA error: the device context is unusable";
   else if (atomic_load(&ji_opt_phase)) why = "fault in the optimizer phase (parameters may be partly updated)";
   else if (atomic_load(&ji_opt_in_mb)) why = "fault after the optimizer step of this minibatch began";
-  else if (!atomic_load(&opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
+  else if (!atomic_load(&ji_opt_ever) && !ji_getenv("JITCKPT_RECOVER_NO_PHASES"))
     why = "no optimizer phase marks (jitintercept_optimizer_begin/end): cannot tell whether parameters were updated";
   else if (!ji_log_replayable(&why)) { /* why set */ }
   else if (local_epoch >= cfg_max) why = "JITCKPT_RECOVER_MAX recoveries reached";
@@ -421,21 +360,21 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   /* Close our own open group so its items leave this thread's group state
    * (they run on the old communicators and are aborted below). */
   ji_fn_ncclGroupEnd ge = REAL(ncclGroupEnd);
-  ji_tls_depth++;
+  ji_tls.depth++;
   for (int i = 0; i < my_depth && ge; i++) (void)ge();
-  ji_tls_depth--;
+  ji_tls.depth--;
 
   /* Abort: unblocks every stream stuck in a collective. */
   ji_fn_ncclCommAbort ab = REAL(ncclCommAbort);
   for (int k = 0; k < cs.n; k++) {
     void *old = atomic_exchange(&cs.v[k]->phys, NULL);
-    ji_tls_depth++;
+    ji_tls.depth++;
     if (old && ab) ab((ncclComm_t)old);
-    ji_tls_depth--;
+    ji_tls.depth--;
   }
-  ji_wd_reset();
+  ji_watch_reset();
   if (!why && !lost) {
-    int d = ji_rcv_drain(deadline);
+    int d = ji_drain_streams(deadline);
     if (d > 0) why = "sticky CUDA error while draining the streams";
     else if (d < 0) why = "the streams did not drain after the abort";
   }
@@ -532,10 +471,12 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
   local_epoch = epoch;
   key(k, sizeof k, "done", epoch, -1);
   ji_store_add(k, 1, NULL, 2.0);
-  ji_wd_reset();
+  ji_watch_reset();
   atomic_fetch_add(&n_recovered, 1);
   emit(&ri);
-  ji_wd_rearm_after_recovery();
+  /* Open the trigger latch before any application thread passes the gate:
+   * a collective it issues while the latch is closed would go unwatched. */
+  ji_trigger_release();
   tls_coord = 0;
   atomic_store(&busy, 0);
   gate_down();
@@ -545,7 +486,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
 /* After a blocking call: 1 = the call must be redone (a recovery happened
  * meanwhile, or this call's result revealed a fault that was recovered). */
 int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
-  ji_tls_in_block = 0;
+  ji_tls.in_block = 0;
   if (tls_coord) return 0;
   if (atomic_load(&ji_rcv_gen) != gen || atomic_load(&ji_rcv_active)) {
     ji_park_enter();
@@ -553,14 +494,14 @@ int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
     ji_park_exit();
     return 1;
   }
-  if (sticky_cuda(cuda_rc)) {
+  if (ji_sticky_cuda(cuda_rc)) {
     ji_fault f = {.kind = "cuda_error", .source = "call", .code = cuda_rc, .coll = -1};
     ji_rcv_run(&f, 0);
     return 0;
   }
   if (cuda_rc == cudaSuccess && check_nccl) {
     int rank = -1;
-    int e = ji_wd_comm_async_error(&rank);
+    int e = ji_comms_async_error(&rank);
     if (e) {
       ji_fault f = {.kind = "nccl_async_error", .source = "ncclCommGetAsyncError", .code = e, .coll = -1};
       ji_rcv_run(&f, 0);
@@ -570,16 +511,14 @@ int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
   return 0;
 }
 
-JI_TLS int ji_tls_in_block;
-
 /* A CUDA call returned an error >= 700 (any hook, through CALL); what the hook
  * returns instead. Without a device swap a sticky error falls back (never
  * returns). With one, after the recovery (run here, or by another thread
  * meanwhile) the failed call is dropped (the step's remaining calls are, see
  * ji_discard) or re-issued: a blocking hook redoes it itself, any other is
- * executed from its log record when the hook logs it (ji_tls_reissue). */
+ * executed from its log record when the hook logs it (ji_tls.reissue). */
 int ji_rcv_cuda_error(int rc) {
-  if (tls_coord || !sticky_cuda(rc)) return rc;
+  if (tls_coord || !ji_sticky_cuda(rc)) return rc;
   ji_fault f = {.kind = "cuda_error", .source = "call", .code = rc, .coll = -1};
   if (!ji_dev_mode) {
     ji_rcv_run(&f, 0);
@@ -591,15 +530,21 @@ int ji_rcv_cuda_error(int rc) {
   cudaStream_t ps = ji_private_stream();
   int swapped = 0;
   if (q && ps && !atomic_load(&ji_dev_lost)) {
-    ji_tls_depth++;
-    swapped = !sticky_cuda(q(ps));
-    ji_tls_depth--;
+    ji_tls.depth++;
+    swapped = !ji_sticky_cuda(q(ps));
+    ji_tls.depth--;
   }
   while (!swapped && ji_rcv_run(&f, 0) == -2) { /* another thread is inside an NCCL group: retried */
   }
   if (atomic_load(&ji_discard)) return cudaSuccess;
-  if (!ji_tls_in_block) ji_tls_reissue = 1;
+  if (!ji_tls.in_block) ji_tls.reissue = 1;
   return cudaSuccess;
+}
+
+void ji_rcv_reissue(ji_rec *r) {
+  ji_tls.reissue = 0;
+  int st = ji_replay_record(r);
+  if (st) ji_rcv_reissue_failed(st);
 }
 
 void ji_rcv_reissue_failed(int status) {
@@ -625,12 +570,13 @@ int ji_rcv_nccl_error(int id, int rc) {
   ji_fault f = {.kind = rc == ncclUnhandledCudaError ? "cuda_error" : "nccl_error", .source = "call", .code = rc,
                 .coll = id};
   if (rc == ncclUnhandledCudaError) f.code = 700;
-  ji_rcv_run(&f, ji_wd_group_depth() > 0);
+  ji_rcv_run(&f, ji_watch_group_depth() > 0);
   return 1;
 }
 
-/* Watchdog thread, while a collective is pending: has another rank started
- * the next epoch? */
+/* Has another rank started the next epoch? Asked by the watchdog while a
+ * collective is pending (at most every 20 ms), and once per step by
+ * optimizer_begin (force). */
 static void check_store(int force) {
   static _Atomic double last;
   double now = ji_now();
@@ -649,48 +595,12 @@ static void check_store(int force) {
     ji_rcv_run(&f, 0);
   }
 }
-void ji_rcv_poll_store(void) { check_store(0); }
+void ji_rcv_check_peers(void) { check_store(1); }
 
-/* ---------------- phase marks ---------------- */
-static void sync_nccl_stream(ji_vh *v, void *p) {
-  (void)p;
-  if (atomic_load(&v->sflags) & JI_VH_NCCL) cudaStreamSynchronize((cudaStream_t)ji_vh_app(v));
+void ji_rcv_watchdog(const ji_fault *f) {
+  if (f) ji_rcv_run(f, 0);
+  else check_store(0);
 }
-
-/* Waits for the work on every NCCL stream through the hooked synchronize
- * (so a fault found there is recovered, or falls back, like any other). */
-void ji_rcv_quiesce(void) {
-  for (int i = 0; i < 3; i++) {
-    ji_vh_foreach_all(JI_VK_STREAM, sync_nccl_stream, NULL);
-    void *nv[32];
-    int n = 0;
-    ji_nccl_nv_streams(nv, &n, 32);
-    for (int j = 0; j < n; j++) cudaStreamSynchronize((cudaStream_t)nv[j]);
-    int rank;
-    int e = ji_wd_comm_async_error(&rank);
-    if (!e) break;
-    ji_fault f = {.kind = "nccl_async_error", .source = "ncclCommGetAsyncError", .code = e, .coll = -1};
-    ji_rcv_run(&f, 0);
-  }
-}
-
-JI_API void jitintercept_optimizer_begin(void) {
-  atomic_store(&opt_ever, 1);
-  /* The minibatch's collectives must be known good before parameters
-   * change: wait for them here (a fault found now is still replayable). */
-  if (ji_rcv_mode) {
-    ji_rcv_quiesce();
-    /* A rank that was stalled (stopped, descheduled) may have completed this
-     * minibatch's collectives while its peers were already recovering (their
-     * contributions were in place before they aborted): one store query per
-     * step makes it join their epoch now, while the replay is still valid. */
-    check_store(1);
-  }
-  atomic_store(&ji_opt_in_mb, 1);
-  atomic_store(&ji_opt_phase, 1);
-}
-
-JI_API void jitintercept_optimizer_end(void) { atomic_store(&ji_opt_phase, 0); }
 
 JI_API int jitintercept_recover_mode(void) { return ji_rcv_mode; }
 JI_API uint64_t jitintercept_recoveries(void) { return atomic_load(&n_recovered); }

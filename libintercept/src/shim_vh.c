@@ -26,41 +26,25 @@ static uint32_t vh_high;     /* slots handed out so far (bump pointer) */
 static ji_vh *vh_free_head;  /* free list, linked through ->comm */
 static pthread_once_t vh_once = PTHREAD_ONCE_INIT;
 
-/* ---- physical handle -> shadow record ----
- * Open addressing, pointer keys, linear probing. Readers are lock-free
- * (acquire load of the key, value stored before the key is published);
- * insert/delete under vh_mu; deleted keys become tombstones. A stale read
- * can only yield an arena slot, which is never unmapped. */
-#define PM_CAP (1u << 16)
-#define PM_PROBE 64
+/* ---- physical handle -> shadow record (lookup: ji_pm_get) ----
+ * Insert/delete under vh_mu; deleted keys become tombstones. A stale read can
+ * only yield an arena slot, which is never unmapped. */
+#define PM_CAP JI_PM_CAP
+#define PM_PROBE JI_PM_PROBE
 #define PM_TOMB ((void *)~(uintptr_t)0)
-static _Atomic(void *) pm_key[PM_CAP];
-static _Atomic(ji_vh *) pm_val[PM_CAP];
-
-static size_t pm_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48); }
-
-ji_vh *ji_pm_get(const void *phys) {
-  if (!phys) return NULL;
-  size_t h = pm_hash(phys);
-  for (unsigned i = 0; i < PM_PROBE; i++) {
-    size_t s = (h + i) & (PM_CAP - 1);
-    void *k = atomic_load_explicit(&pm_key[s], memory_order_acquire);
-    if (k == phys) return atomic_load_explicit(&pm_val[s], memory_order_relaxed);
-    if (!k) return NULL;
-  }
-  return NULL;
-}
+_Atomic(void *) ji_pm_key[PM_CAP];
+_Atomic(ji_vh *) ji_pm_val[PM_CAP];
 
 /* Caller holds vh_mu. Returns 0 when the probe window is full (the object is
  * then simply not tracked: no Fig. 3 watch, no rank label). */
 static int pm_put_locked(void *phys, ji_vh *v) {
-  size_t h = pm_hash(phys);
+  size_t h = ji_pm_hash(phys);
   for (unsigned i = 0; i < PM_PROBE; i++) {
     size_t s = (h + i) & (PM_CAP - 1);
-    void *k = atomic_load(&pm_key[s]);
+    void *k = atomic_load(&ji_pm_key[s]);
     if (!k || k == PM_TOMB || k == phys) {
-      atomic_store_explicit(&pm_val[s], v, memory_order_relaxed);
-      atomic_store_explicit(&pm_key[s], phys, memory_order_release);
+      atomic_store_explicit(&ji_pm_val[s], v, memory_order_relaxed);
+      atomic_store_explicit(&ji_pm_key[s], phys, memory_order_release);
       return 1;
     }
   }
@@ -70,12 +54,12 @@ static int pm_put_locked(void *phys, ji_vh *v) {
 /* Only if the entry is still ours: the runtime may already have handed the
  * same address to a new object that another thread registered. */
 static void pm_del_locked(void *phys, ji_vh *v) {
-  size_t h = pm_hash(phys);
+  size_t h = ji_pm_hash(phys);
   for (unsigned i = 0; i < PM_PROBE; i++) {
     size_t s = (h + i) & (PM_CAP - 1);
-    void *k = atomic_load(&pm_key[s]);
+    void *k = atomic_load(&ji_pm_key[s]);
     if (k == phys) {
-      if (atomic_load(&pm_val[s]) == v) atomic_store(&pm_key[s], PM_TOMB);
+      if (atomic_load(&ji_pm_val[s]) == v) atomic_store(&ji_pm_key[s], PM_TOMB);
       return;
     }
     if (!k) return;
@@ -196,5 +180,45 @@ void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
   for (uint32_t i = 0; i < n; i++) {
     ji_vh *v = (ji_vh *)(ji_vh_base + (uintptr_t)i * JI_VH_SLOT);
     if (v->kind == kind && atomic_load(&v->phys)) fn(v, arg);
+  }
+}
+
+/* ---- NCCL streams ----
+ * A stream record carries JI_VH_NCCL once a collective ran on it. NCCL
+ * streams that have no record (stream 0, per-thread, created before the
+ * shim): few, so a small append-only array scanned linearly. */
+#define NV_MAX 32
+static _Atomic(void *) nv_streams[NV_MAX];
+_Atomic int ji_nv_n;
+
+void ji_mark_nccl_stream(cudaStream_t s, int coll) {
+  ji_vh *v = ji_slot(s);
+  if (v) {
+    if (!(atomic_load_explicit(&v->sflags, memory_order_relaxed) & JI_VH_NCCL))
+      atomic_fetch_or(&v->sflags, JI_VH_NCCL);
+    atomic_store_explicit(&v->last_coll, (uint32_t)coll, memory_order_relaxed);
+    return;
+  }
+  if (ji_is_nccl_stream(s)) return;
+  int i = atomic_fetch_add(&ji_nv_n, 1);
+  if (i < NV_MAX) atomic_store(&nv_streams[i], (void *)s);
+}
+
+int ji_is_nv_stream(cudaStream_t s) {
+  int n = atomic_load_explicit(&ji_nv_n, memory_order_relaxed);
+  if (n > NV_MAX) n = NV_MAX;
+  for (int i = 0; i < n; i++)
+    if (atomic_load_explicit(&nv_streams[i], memory_order_relaxed) == (void *)s) return 1;
+  return 0;
+}
+
+void ji_nccl_nv_streams(void **out, int *n, int max) {
+  int m = atomic_load(&ji_nv_n);
+  if (m > NV_MAX) m = NV_MAX;
+  for (int i = 0; i < m; i++) {
+    void *s = atomic_load(&nv_streams[i]);
+    int dup = 0;
+    for (int j = 0; j < *n; j++) dup |= out[j] == s;
+    if (!dup && *n < max) out[(*n)++] = s;
   }
 }
