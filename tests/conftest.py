@@ -60,6 +60,16 @@ def _shm_mapped() -> set[str]:
 _CHILD_TMP: Path | None = None
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which torch build the run has: pip resolves either (README, Set-up)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch: not installed"
+    cuda = torch.version.cuda
+    return f"torch {torch.__version__} ({f'CUDA {cuda} build' if cuda else 'CPU build'})"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _CHILD_TMP
     _shm_at_start.update(_shm_entries())

@@ -36,14 +36,14 @@ $(SIM_CORE): sim/simcore.c $(SIM_HDRS) sim/jitsimcore.map $(SIM_OUT)/.dir
 $(SIM_OUT)/cudart%.map: sim/cudart.map.in $(SIM_OUT)/.dir
 	sed 's/@MAJOR@/$*/g' $< > $@
 
-$(SIM_OUT)/libcudart.so.%: sim/cudart.c $(SIM_HDRS) $(SIM_OUT)/cudart%.map $(SIM_CORE)
+$(SIM_OUT)/libcudart.so.%: sim/cudart.c sim/cudart_unsupported.c $(SIM_HDRS) $(SIM_OUT)/cudart%.map $(SIM_CORE)
 	$(CC) $(SIM_CFLAGS) -DJITSIM_CUDART_MAJOR=$* $(SIM_LDFLAGS) -Wl,-soname,libcudart.so.$* \
-	  -Wl,--version-script=$(SIM_OUT)/cudart$*.map -o $@ sim/cudart.c \
+	  -Wl,--version-script=$(SIM_OUT)/cudart$*.map -o $@ sim/cudart.c sim/cudart_unsupported.c \
 	  -L$(SIM_OUT) -ljitsimcore -Wl,-rpath,'$$ORIGIN' -Wl,-Bsymbolic-functions
 
-$(SIM_OUT)/libnccl.so.2: sim/nccl.c $(SIM_HDRS) sim/nccl.map $(SIM_CORE)
+$(SIM_OUT)/libnccl.so.2: sim/nccl.c sim/nccl_unsupported.c $(SIM_HDRS) sim/nccl.map $(SIM_CORE)
 	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libnccl.so.2 \
-	  -Wl,--version-script=sim/nccl.map -o $@ sim/nccl.c \
+	  -Wl,--version-script=sim/nccl.map -o $@ sim/nccl.c sim/nccl_unsupported.c \
 	  -L$(SIM_OUT) -ljitsimcore -lrt -Wl,-rpath,'$$ORIGIN'
 
 # Link-time names, as in a CUDA toolkit: libcudart.so -> the newest runtime.

@@ -28,7 +28,12 @@ class DeviceSGD(torch.optim.Optimizer):
 
 
 def main() -> None:
-    lib = ctypes.CDLL(sys.argv[1])
+    try:
+        lib = ctypes.CDLL(sys.argv[1])
+    except OSError as e:
+        # torch's CUDA build brings its own libcudart.so.13; dp.so then binds to it, not to the stand-in
+        raise SystemExit(f"dp_torch.py: {e}: the stand-in must be this process's CUDA runtime "
+                         "(LD_PRELOAD build/sim/libcudart.so.13 and libnccl.so.2)") from e
     steps, out = int(sys.argv[2]), sys.argv[3]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get("DP_FAULTS_FIRST_ATTEMPT") and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:

@@ -28,9 +28,22 @@ SCRIPT = Path(__file__).parent / "dp_torch.py"
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _standin() -> None:
+    """The workers import torch: with its CUDA build, torch's own libcudart.so.13
+    would be the process's runtime and dp.so's stand-in would never load. The
+    stand-in is preloaded (shimtest.STANDIN); where even so torch cannot run
+    over it, the tests skip and say why."""
+    st.build()  # the probe loads dp.so
+    why = st.python_standin_problem(sys.executable)
+    if why:
+        pytest.skip(why)
+
+
 def run(tmp: Path, restarts: int = 0, **env: str):
     tmp.mkdir(parents=True)
-    e = st.env(preload=False)  # jitrun preloads the shim into the workers
+    # jitrun preloads the shim into the workers, ahead of the stand-in
+    e = st.env(preload=False, standin=True)
     e["JITCKPT_INTERCEPT_LIB"] = str(st.SHIM)
     e.update(env)
     cmd = [str(JITRUN), "--nproc-per-node", "3", "--jit-intercept", "on", "--jit-timeout", "1",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -73,6 +74,32 @@ def test_cudart13_matches_real_exports():
             continue
         assert name in real, name
         assert real[name][0] == ver == "libcudart.so.13", name
+
+
+def _torch_cuda_libs() -> list[Path]:
+    spec = importlib.util.find_spec("torch")
+    lib = Path(spec.submodule_search_locations[0]) / "lib" if spec and spec.submodule_search_locations else None
+    return sorted(lib.glob("lib*.so*")) if lib and (lib / "libtorch_cuda.so").exists() else []
+
+
+@pytest.mark.skipif(not _torch_cuda_libs(), reason="torch here is not a CUDA build: nothing of it links libcudart")
+def test_exports_cover_torch_cuda_build():
+    """Every libcudart.so.13 and NCCL symbol the installed CUDA build of torch
+    references is exported by the stand-in with that version: torch loads its
+    libraries RTLD_NOW, so one missing name and `import torch` fails in a
+    process whose CUDA runtime is the stand-in (the Python-worker tests)."""
+    need_cudart, need_nccl = set(), set()
+    for lib in _torch_cuda_libs():
+        out = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True).stdout
+        for name in (line.split()[-1] for line in out.splitlines() if line.strip()):
+            if name.endswith("@libcudart.so.13"):
+                need_cudart.add(name.split("@")[0])
+            elif re.fullmatch(r"p?nccl\w+", name):
+                need_nccl.add(name)
+    assert need_cudart and need_nccl, "torch's CUDA build references neither libcudart.so.13 nor NCCL"
+    cudart, nccl = dynsyms(H.SIM / "libcudart.so.13"), dynsyms(H.SIM / "libnccl.so.2")
+    assert sorted(n for n in need_cudart if cudart.get(n, ("",))[0] != "libcudart.so.13") == []
+    assert sorted(need_nccl - set(nccl)) == []
 
 
 def test_nccl_soname_and_weak_aliases():
