@@ -52,7 +52,7 @@ $(SIM_OUT)/libcudart.so: $(SIM_OUT)/libcudart.so.13
 $(SIM_OUT)/libnccl.so: $(SIM_OUT)/libnccl.so.2
 	ln -sf libnccl.so.2 $@
 
-# NVML for jitrun's health checks (launcher/health.py), with injectable device faults.
+# NVML for jitrun's health checks (launcher/devices/health.py), with injectable device faults.
 $(SIM_OUT)/libnvidia-ml.so.1: sim/nvml.c $(SIM_OUT)/.dir
 	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libnvidia-ml.so.1 -o $@ sim/nvml.c
 

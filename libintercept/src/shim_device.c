@@ -10,7 +10,7 @@
  *      closes its store connection (no socket may cross to another node);
  *   2. writes JITCKPT_DEVICE_DIR/device-lost-<rank>-<epoch>.json and waits,
  *      polling with no fd open, for device-resume-<rank>-<epoch>.json. Meanwhile
- *      whoever drives migration (launcher/device_loss.py) dumps the process
+ *      whoever drives migration (launcher/migration/device_loss.py) dumps the process
  *      with CRIU, restores it where a healthy device is, and writes the resume
  *      file there with the new device's identity, or ({"fallback": why}) tells
  *      it nobody will, and the epoch falls back at once instead of at the bound;
