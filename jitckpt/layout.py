@@ -100,7 +100,8 @@ def own_private_dir(path: Path) -> None:
     except FileExistsError:
         pass
     except OSError as e:
-        raise CheckpointDirError(f"{path}: cannot create it ({e.strerror})") from None
+        raise CheckpointDirError(f"{path} is not writable: cannot create it ({e.strerror}); "
+                                 "choose a path this user can write") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:

@@ -40,7 +40,8 @@ def _needs(m: dict) -> str | None:
 REPORT = auth.Schema(
     {"event": str, "t": _NUM, "rank": (int, type(None))},
     {"step": int, "shard": str, "attempt": int, "gen": int, "ctl": str, "reason": str,
-     "loaded": (int, str, type(None)), "query_t": _OPT_NUM, "proc_start_t": _OPT_NUM, "minibatch_s": _OPT_NUM},
+     # a step, "fresh" or None; a state_divergence report carries every rank's (a dict)
+     "loaded": (int, str, dict, type(None)), "query_t": _OPT_NUM, "proc_start_t": _OPT_NUM, "minibatch_s": _OPT_NUM},
     extra=True, nested=_needs)
 
 

@@ -51,7 +51,9 @@ def _form(name: str, tmp: Path) -> tuple[list[str], list[str], dict[str, str]]:
     if name == "c10d":
         return ["--nproc-per-node", "2", *c10d], script, {}
     if name == "elastic_range":
-        return ["--nnodes", "1:2", "--nproc-per-node", "2", *c10d, "--rdzv-conf", "last_call_timeout=1"], script, {}
+        # a job that may span nodes needs the same secret on every node, as an operator sets it
+        return (["--nnodes", "1:2", "--nproc-per-node", "2", *c10d, "--rdzv-conf", "last_call_timeout=1"], script,
+                {"JITCKPT_TOKEN": "launch-forms-" + "0" * 20})
     if name == "module":
         return ["--nproc-per-node", "2", "-m"], ["demo_train"], {"PYTHONPATH": str(TRAIN.parent)}
     if name == "no_python":
@@ -77,9 +79,9 @@ def test_launch_form_recovers(form: str, tmp_path: Path, reference) -> None:
     cmd = [sys.executable, "-m", "jitrun.cli", *opts, *COMMON, "--jit-dir", str(jit),
            *prog, "--steps", str(STEPS), "--out", str(out)]
     cp = run_tree(cmd, env={"JITCKPT_FAULT": FAULTS, "OMP_NUM_THREADS": "1", **env}, timeout=300, cwd=ROOT)
-    evs = [json.loads(line) for line in (jit / "events.jsonl").read_text().splitlines()]
     log = cp.stdout[-6000:]
     assert cp.returncode == 0, log
+    evs = [json.loads(line) for line in (jit / "events.jsonl").read_text().splitlines()]
     # every injected fault fired once, on its own attempt
     fired = sorted((e["attempt"], e["kind"]) for e in evs if e["event"] == "fault_injected")
     assert fired == [(0, "sigkill"), (1, "sigstop"), (2, "exception")], (fired, log)

@@ -27,7 +27,7 @@ import pytest
 from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
-from jitckpt import contract
+from jitckpt import auth, contract
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -358,7 +358,9 @@ def test_store_request_pauses_every_rank_at_its_next_minibatch_start(criu_bin, l
     while migrate.paused_ranks(server, "tok", gen, 2) != [0, 1]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    peer = json.loads(server.get(migrate.key("tok", gen, "paused", 0)))
+    k = migrate.key("tok", gen, "paused", 0)
+    peer, why = auth.of("tok").unseal(k, server.get(k))  # a record sealed under the job token
+    assert why is None, why
     assert peer["step"] == paused["step"] < STEPS, (peer, paused)  # the same minibatch start
     outer, pid = started[1]
     criu.dump(pid, tmp_path / "images")
