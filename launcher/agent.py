@@ -262,11 +262,7 @@ class JitAgent(LocalElasticAgent):
             all_devices=self._devices.names(worker_group), nproc=spec.local_world_size,
             reasons=f.reasons if f else {}, restore_step=f.restore_step if f else None,
             command=self._jit.command, decision=d if mine else None)
-        try:
-            placement = scheduler.place(self._jit.scheduler, failure)
-        except scheduler.SchedulerError as e:  # a hook that cannot answer a restart: restart here, say why
-            print(f"jitrun: {e}; restarting in place", file=sys.stderr, flush=True)
-            placement = scheduler.Placement()
+        placement = scheduler.place_or_default(self._jit.scheduler, failure, "restarting in place")
         if placement.action == "abort":
             self._events.emit("job_abort", why="scheduler hook answered abort")
             self._remaining_restarts = 0

@@ -83,6 +83,16 @@ class Placement:
         return {"action": self.action, "env": sorted(self.env), "visible_devices": self.visible_devices}
 
 
+def place_or_default(hook: str, failure: dict, instead: str) -> Placement:
+    """``place``, or the default placement (restart here) with one line saying why
+    when the hook cannot answer (``instead``: what happens then, for the line)."""
+    try:
+        return place(hook, failure)
+    except SchedulerError as e:
+        print(f"jitrun: {e}; {instead}", file=sys.stderr, flush=True)
+        return Placement()
+
+
 def parse_hook(spec: str) -> str:
     if spec == "local":
         return spec

@@ -113,11 +113,7 @@ class DeviceWatch:
         failure = describe(self._jit.job_id, self._node, event="device_unhealthy", failed_devices=sorted(failing),
                            ranks=ranks, reasons={str(d.index): d.reason for d in devs}, devices=",".join(names),
                            nproc_per_node=wg.spec.local_world_size)
-        try:
-            placement = scheduler.place(self._jit.scheduler, failure)
-        except scheduler.SchedulerError as e:
-            print(f"jitrun: {e}; restarting without the device instead", file=sys.stderr, flush=True)
-            placement = scheduler.Placement()
+        placement = scheduler.place_or_default(self._jit.scheduler, failure, "restarting without the device instead")
         if placement.action == "migrate" and migrate.enabled() and migrate.pausable():
             gen = migrate.request(worker_store(), self._jit.token, ranks, str(placement.to))
             self._events.emit("migration_requested", gen=gen, ranks=ranks, to=placement.to, why="device_unhealthy",
@@ -173,11 +169,7 @@ class DeviceWatch:
         failure = describe(self._jit.job_id, self._node, event="device_lost", rank=req.rank, failed_devices=[lost],
                            device_uuid=req.device, spare_devices=spares, devices=",".join(names),
                            nproc_per_node=wg.spec.local_world_size)
-        try:
-            placement = scheduler.place(self._jit.scheduler, failure)
-        except scheduler.SchedulerError as e:
-            print(f"jitrun: {e}", file=sys.stderr, flush=True)
-            placement = scheduler.Placement()
+        placement = scheduler.place_or_default(self._jit.scheduler, failure, "the process falls back instead")
         pids = self._where.ns_pids
         why = device_loss.refusal(placement, self._node.addr, pids.get(req.rank), coord_store is not None)
         if why is not None:
