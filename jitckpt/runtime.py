@@ -397,16 +397,18 @@ class Runtime:
         return True  # unreachable
 
     def _save_deferred(self, post_step: bool = False) -> None:
+        reason = self.deferred or "deferred"
+        self._claim_save()
+        self._save_and_exit(reason, Phase.POST if post_step else Phase.FWD, announced=True)
+
+    def _claim_save(self) -> None:
+        """Become the thread that saves; a thread that comes second parks forever
+        (the first one ends the process)."""
         with self._lock:
-            if self.saving:
-                park = True
-            else:
-                park = False
-                self.saving = True
-                reason = self.deferred or "deferred"
+            park = self.saving
+            self.saving = True
         if park:
             self._halt.wait()
-        self._save_and_exit(reason, Phase.POST if post_step else Phase.FWD, announced=True)
 
     def on_collective_error(self, exc: BaseException) -> None:
         """A collective failed or timed out: called where torch raised it,
@@ -463,14 +465,7 @@ class Runtime:
             self.on_collective_error(err)
         if self.collective_exc is None or self.deferred is None:
             return
-        with self._lock:
-            if self.saving:
-                park = True
-            else:
-                park = False
-                self.saving = True
-        if park:
-            self._halt.wait()
+        self._claim_save()
         reason = self.deferred
         if self.on_minibatch_start is not None:
             try:
