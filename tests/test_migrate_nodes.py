@@ -74,7 +74,7 @@ def _start(c: Cluster, nproc: int, env: dict | None = None, spare: bool = True) 
     if spare:
         third = c.add_node()
         job.start(third, name="spare")
-        time.sleep(4)  # the spare's agent is up: waiting in the rendezvous, its migration target listening
+        job.wait_spare()
     assert "step  150" not in _rank_output(job, "agent0", 0), "training too short for this test"
     return job, third
 
@@ -155,9 +155,6 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
         assert not [e for e in evs if e["event"] == "migration_restored"]
 
 
-@pytest.mark.xfail(reason="seen failing once after the store records became sealed: the source found no "
-                          "signed port record of the spare's migration target (MigrationError 'no jitrun agent "
-                          "... listens'); under investigation, see the session note", strict=False)
 def test_failing_device_moves_its_rank_live(mn_reference, criu_ok):  # noqa: F811
     """Issue 13 item 5: NVML (the stand-in libnvidia-ml.so.1) reports node 1's device
     lost while it trains; jitrun's health monitor asks the scheduler hook, which
@@ -179,7 +176,7 @@ def test_failing_device_moves_its_rank_live(mn_reference, criu_ok):  # noqa: F81
         _wait_rank_output(job, "agent0", 0, "step   10")
         spare = c.add_node()
         job.start(spare, name="spare")
-        time.sleep(4)
+        job.wait_spare()
         (c.dir / "hook-out.json").write_text(f'{{"action": "migrate", "to": "{spare.addr}"}}')
         state.write_text("device=0 lost\n")
         evs = _finish(job)

@@ -94,6 +94,15 @@ class Job:
     def all_events(self) -> list[dict]:
         return sorted((e for n in self.procs for e in self.events(n)), key=lambda e: e["t"])
 
+    def wait_spare(self, timeout: float = 120) -> None:
+        """Until a training agent saw the spare waiting in the rendezvous (its agent
+        is up then: its migration target listens before it joins)."""
+        deadline = time.monotonic() + timeout
+        while not any(e["event"] == "spare_waiting" for e in self.all_events()):
+            if time.monotonic() > deadline or self.procs["spare"].popen.poll() is not None:
+                pytest.fail("no agent saw the spare waiting\n" + self.logs())
+            time.sleep(0.1)
+
     def logs(self) -> str:
         return "\n".join(f"===== {n}\n{p.output()[-3000:]}" for n, p in self.procs.items())
 
@@ -259,7 +268,7 @@ def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
         job.wait_for_output("agent0", "step    0")
         spare = c.add_node()
         job.start(spare, name="spare")
-        time.sleep(4)  # the spare's agent is up and waiting in the rendezvous
+        job.wait_spare()
         assert "step  150" not in job.procs["agent0"].output(), "training too short for this test"
         assert "restart" not in job.procs["agent0"].output()
         lost = c.nodes[nnodes - 1]
