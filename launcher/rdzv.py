@@ -23,9 +23,11 @@
    ``inspect.stack()`` twice, which reads the source of every frame (0.3-1 s
    per round on one node, measured); a round-0 node sleeps a random 0-0.3 s to
    spread load on the backend, and a node waiting for others polls the
-   backend once a second. Here the name comes from the frame itself, there is
-   no skew sleep (a job has at most a few thousand agents, each making one
-   request per poll of one TCPStore), and the poll period is ``POLL_S``.
+   backend once a second, and its state holder answers from a one-second
+   cache. Here the name comes from the frame itself, there is no skew sleep
+   (a job has at most a few thousand agents, each making one request per poll
+   of one TCPStore), the poll period is ``POLL_S`` and the cache is off while
+   a rendezvous runs (``_uncached``).
 """
 
 from __future__ import annotations
@@ -183,6 +185,24 @@ def _speed_up() -> None:
     dr._delay = delay
 
 
+def _uncached(handler, join):
+    """Run a rendezvous with the state holder's cache off. It answers a sync
+    within ``cache_duration`` (1 s) of the last read from memory, so a node
+    waiting for its peers saw them join up to a second late whatever the poll
+    period; outside a rendezvous (the monitor's waiting-node count, keep-alives)
+    the cache keeps its period, so a healthy job reads the state once a second
+    per node, as under torchrun."""
+    holder = handler._state_holder
+    cached = getattr(holder, "_cache_duration", None)
+    if cached is None:
+        return join()
+    holder._cache_duration = 0
+    try:
+        return join()
+    finally:
+        holder._cache_duration = cached
+
+
 def install(handler, *, on_spare: Callable[[int], None] | None = None,
             healthy: Callable[[], bool] | None = None) -> None:
     """Patch ``handler`` (a DynamicRendezvousHandler) in place; a no-op for
@@ -195,7 +215,7 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
     orig_waiting = handler.num_nodes_waiting
 
     def next_rendezvous():
-        info = orig_next()
+        info = _uncached(handler, orig_next)
         if not handler.use_agent_store or info.bootstrap_store_info is None:
             return info
         from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
