@@ -230,10 +230,11 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
         return type(info)(info.store, info.rank, info.world_size, fresh)
 
     def num_nodes_waiting() -> int:
-        n = orig_waiting()
-        if n and healthy is not None and healthy():
+        n = orig_waiting()  # torch counts its wait list only: a node that came to a full job is
+        spares = n + len(handler._state_holder.state.redundancy_list)  # in the redundancy list
+        if spares and healthy is not None and healthy():
             if on_spare is not None:
-                on_spare(n)
+                on_spare(spares)
             return 0
         return n
 

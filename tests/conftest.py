@@ -70,6 +70,15 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"torch {torch.__version__} ({f'CUDA {cuda} build' if cuda else 'CPU build'})"
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """Modules with long tests first (a stable sort; a module stays in one
+    piece, so its module-scoped fixtures are set up once): under xdist the
+    last tests handed out are then short ones, not a multi-node test running
+    alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _CHILD_TMP
     _shm_at_start.update(_shm_entries())

@@ -50,7 +50,8 @@ from conftest import ROOT, Job, assert_same_state, died_of_upstream_exit_abort
 
 WORKER = ROOT / "tests" / "torchrun_stale_peers_worker.py"
 ARGS = ["2", "10"]  # 2 epochs of 32 minibatches per rank, the tutorial's snapshot every 10 epochs
-HANG_S = 120  # a torchrun restart that has not finished by then is hung in init_process_group
+HANG_S = 60  # a torchrun run whose restart has not finished by then is hung in init_process_group
+RUN_S = 180  # the runs that cannot hang
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = HANG_S) -> tuple[int | None, str]:
+def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = RUN_S) -> tuple[int | None, str]:
     """(returncode, output); returncode None if still running after ``timeout``,
     in which case the process and everything it started are killed by PID."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
@@ -95,18 +96,19 @@ def _run(cmd: list[str], cwd: Path, env: dict | None = None, timeout: float = HA
         return None, out
 
 
-def _torchrun(tmp: Path, env: dict | None = None, again: bool = True) -> tuple[int | None, str, Path]:
+def _torchrun(tmp: Path, env: dict | None = None, again: bool = True,
+              timeout: float = RUN_S) -> tuple[int | None, str, Path]:
     """Plain torchrun is the baseline here, not the system under test: a run that died of the
     upstream gloo exit abort (conftest.UPSTREAM_EXIT_ABORT) runs again once, in a directory of its
     own (the tutorial would resume from the first run's snapshot.pt)."""
     out = tmp / "final.pt"
     rc, log = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "--max-restarts", "1", str(WORKER), *ARGS, "--out", str(out)], cwd=tmp, env=env)
+                    "--max-restarts", "1", str(WORKER), *ARGS, "--out", str(out)], cwd=tmp, env=env, timeout=timeout)
     (tmp / "torchrun.log").write_text(log)
     if again and died_of_upstream_exit_abort(rc, log):
         print("torchrun hit the upstream gloo exit abort (pytorch#190489); running it again")
         (tmp / "again").mkdir()
-        return _torchrun(tmp / "again", env, again=False)
+        return _torchrun(tmp / "again", env, again=False, timeout=timeout)
     return rc, log, out
 
 
@@ -120,7 +122,7 @@ def unshared_store_run(tmp_path_factory):
 
 
 def test_torchrun_restart_sees_previous_attempt_keys(tmp_path):
-    rc, log, out = _torchrun(tmp_path)
+    rc, log, out = _torchrun(tmp_path, timeout=HANG_S)
     assert "SIGKILL after optimizer step 5" in log and "attempt 1: init_process_group" in log, log[-4000:]
     assert "attempt 1: previous attempt's keys visible: True" in log, log[-4000:]
     if rc is None:
