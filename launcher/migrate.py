@@ -59,7 +59,7 @@ def record_workers(agent, worker_group) -> dict:
     ranks = {}
     for rank, p in agent._procs(worker_group).items():
         try:
-            pid = criu.ns_init_pid(p.pid, timeout=10)
+            pid = criu.ns_init_pid(p.pid, timeout=60)  # unshare forks at once; 60 s: a starved machine
         except criu.CriuError as e:
             print(f"jitrun: rank {rank} is not migratable: {e}", file=sys.stderr, flush=True)
             pid = None

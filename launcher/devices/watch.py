@@ -29,7 +29,7 @@ from jitckpt import contract
 
 from .. import criu, migrate, migrate_agent
 from ..migration import device_loss
-from ..workers import Proc, Whereabouts, alive
+from ..workers import Proc, Whereabouts
 from . import health, scheduler
 from .describe import describe
 
@@ -150,8 +150,10 @@ class DeviceWatch:
             if why is None:
                 on_moved()
                 continue
-            if alive(self._where.ns_pids.get(req.rank, 0)):
-                device_loss.refuse(self._device_dir, req, why)
+            # answered whether or not its process is known here (a worker that was not
+            # started migratable has no namespace PID): the parked process falls back at
+            # once, and an answered request is not pending again on the next tick
+            device_loss.refuse(self._device_dir, req, why)
             self._events.emit("device_move_refused", rank=req.rank, epoch=req.epoch, why=why)
             print(f"jitrun: rank {req.rank}'s device {req.device} was lost and its process is not moved ({why}); "
                   "it falls back to the JIT checkpoint path", file=sys.stderr, flush=True)
