@@ -37,7 +37,7 @@ from .events import EventLog
 from .migration.inbound import start_target
 from .migration.outbound import move_out
 from .options import JitOptions, this_node
-from .recovery import episode
+from .recovery import alive, episode
 from .recovery.detect import Detector
 from .recovery.episode import Episode, Failure
 from .recovery.record import recovery_record
@@ -81,6 +81,8 @@ class JitAgent(LocalElasticAgent):
         handler = spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
+        rdzv.drop_silent(handler, lambda: self._restorer.silence, self._on_lost)
+        self._dropped: set[str] = set()
         self._target = start_target(rdzv.coordination_store(handler), jit, self._node, events)
 
     # -- reports ------------------------------------------------------------------
@@ -118,7 +120,8 @@ class JitAgent(LocalElasticAgent):
         self._book.new_round(self._round, self._local_ranks)
         if self._pending is not None:
             self._pending.rdzv_t = time.time()
-        self._restorer.join_round(rdzv.coordination_store(handler), self._round, worker_group.group_rank)
+        self._restorer.join_round(rdzv.coordination_store(handler), self._round, worker_group.group_rank,
+                                  rdzv.node_name(handler))
         self._events.emit("rendezvous", round=self._round, group_rank=worker_group.group_rank,
                           group_world_size=worker_group.group_world_size,
                           ranks=sorted(self._local_ranks), host=self._node.host, addr=self._node.addr)
@@ -158,6 +161,14 @@ class JitAgent(LocalElasticAgent):
         self._devices.stop()
         woke = self._wakeup.close()
         return self._restorer.close() and woke
+
+    def _on_lost(self, names: list[str]) -> None:
+        new = [n for n in names if n not in self._dropped]
+        self._dropped.update(new)
+        if new:
+            self._events.emit("node_lost", nodes=new, evidence=f"agent silent for {alive.QUIET_S:g} s")
+            print(f"jitrun: node(s) {', '.join(new)} lost: their agents stopped answering the job's store "
+                  f"for {alive.QUIET_S:g} s; the job goes on without them", flush=True)
 
     def _on_spare(self, n: int) -> None:
         if not self._spare_seen:

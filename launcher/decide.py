@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -266,13 +267,15 @@ class Coordinator:
         collective.) Only a mark sealed by an agent of the job counts."""
         return isinstance(self._get(f"round {round_} failure mark", "round", round_, "failed"), str)
 
-    def wait_inventories(self, round_: int, nodes: list[dict], grace: float, final: float) -> list[dict]:
+    def wait_inventories(self, round_: int, nodes: list[dict], grace: float, final: float,
+                         silent: Callable[[list[str]], set[str]] | None = None) -> list[dict]:
         """Inventories of ``nodes``: every one that posted by ``grace``
         (monotonic), and those whose agent is still handling the failure
-        (e.g. a slow save) until ``final``."""
+        (e.g. a slow save) until ``final``. ``silent(node_ids)``: the nodes
+        whose agents are known to be gone, not waited for."""
         want = sorted({n["node_id"] for n in nodes} or {self.node.node_id})
         inv = {n: self._k("round", round_, "inv", n) for n in want}
-        if not self._wait(list(inv.values()), grace):
+        if not self._wait_posted(inv, grace, silent):
             busy = [k for n, k in inv.items()
                     if self._get(f"round {round_} handling mark of {n}", "round", round_, "handling", n) == n]
             if busy:
@@ -284,6 +287,23 @@ class Coordinator:
                 if got is not None and got["node_id"] == n:
                     out.append(got)
         return out
+
+    def _wait_posted(self, inv: dict[str, str], until: float,
+                     silent: Callable[[list[str]], set[str]] | None) -> bool:
+        """Every node's inventory posted, or its agent gone; False at ``until``."""
+        if silent is None:
+            return self._wait(list(inv.values()), until)
+        pending = dict(inv)
+        while True:
+            pending = {n: k for n, k in pending.items() if not self.store.check([k])}
+            if pending:
+                gone = silent(list(pending))
+                pending = {n: k for n, k in pending.items() if n not in gone}
+            if not pending:
+                return True
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.05)
 
     def _wait(self, keys: list[str], until: float) -> bool:
         """Block until every key exists (event-driven) or ``until`` passes."""

@@ -49,6 +49,11 @@ def is_static(handler) -> bool:
     return handler.get_backend() == "static" and hasattr(handler, "_store")
 
 
+def node_name(handler) -> str | None:
+    """This agent's name in a dynamic rendezvous's state (None: not dynamic)."""
+    return str(handler._this_node) if _dynamic(handler) else None
+
+
 def current_round(handler) -> int | None:
     if not _dynamic(handler):
         return None
@@ -157,6 +162,40 @@ def join_timeout_s(handler) -> float | None:
 
 
 POLL_S = 0.05
+# called in every wait of a rendezvous (the agent's main thread); see drop_silent
+_while_waiting: Callable[[], None] | None = None
+
+
+def drop_silent(handler, silence, on_drop: Callable[[list[str]], None]) -> None:
+    """While this agent waits in a rendezvous, a participant of the last round
+    whose agent stopped beating (``recovery.alive``) is removed from the
+    rendezvous state at once, by torch's own sanitizer as if its keep-alive had
+    expired, instead of after ``keep_alive_interval x keep_alive_max_attempt``.
+    ``silence()`` gives the current ``alive.Silence`` (None: no evidence)."""
+    global _while_waiting
+    if not _dynamic(handler) or not hasattr(handler._state_holder, "_sanitize"):
+        return
+    from datetime import datetime, timezone
+
+    def check() -> None:
+        s = silence()
+        holder = handler._state_holder
+        others = [d for d in holder.state.participants if d != handler._this_node]
+        if s is None or not others:
+            return
+        ids = {d: s.node_of(str(d)) for d in others}
+        gone = s.silent([i for i in ids.values() if i is not None])
+        dropped = [d for d, i in ids.items() if i in gone]
+        if not dropped:
+            return
+        expired = datetime(1970, 1, 1, tzinfo=timezone.utc)
+        for d in dropped:
+            holder.state.last_heartbeats[d] = expired
+        holder._sanitize()  # removes them (and advances an emptied round) as torch would
+        holder.mark_dirty()  # written by the rendezvous loop's next sync (compare-and-set)
+        on_drop([str(d) for d in dropped])
+
+    _while_waiting = check
 
 
 def _speed_up() -> None:
@@ -179,6 +218,11 @@ def _speed_up() -> None:
     def delay(seconds: float | tuple[float, float]) -> None:
         if isinstance(seconds, tuple):
             return  # the round-0 skew
+        if _while_waiting is not None:
+            try:
+                _while_waiting()
+            except Exception as e:  # evidence is an optimisation: the keep-alive expiry still works
+                log.debug("lost-node check failed: %s", e)
         time.sleep(min(seconds, POLL_S))
 
     dr.get_method_name = get_method_name
@@ -231,7 +275,7 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
 
     def num_nodes_waiting() -> int:
         n = orig_waiting()  # torch counts its wait list only: a node that came to a full job is
-        spares = n + len(handler._state_holder.state.redundancy_list)  # in the redundancy list
+        spares = n + len(getattr(handler._state_holder.state, "redundancy_list", ()))  # in the redundancy list
         if spares and healthy is not None and healthy():
             if on_spare is not None:
                 on_spare(spares)

@@ -259,6 +259,8 @@ def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
         assert any(e["event"] == "replica_fetched" for e in job.events("replacement")), job.logs()
         dec = next(e for e in evs if e["event"] == "restore_decision")
         assert dec["lost"], dec
+        # from evidence (its agent stopped beating), not torch's keep-alive expiry
+        assert any(e["event"] == "node_lost" for e in evs), job.logs()
 
 
 @pytest.mark.parametrize("nnodes,nproc", B)
@@ -281,6 +283,7 @@ def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
         evs = job.assert_recovered(ref, killed=(f"agent{lost.index}",))
         rdzv = [e for e in evs if e["event"] == "rendezvous"]
         assert max(e["round"] for e in rdzv) == 1, "the spare's arrival alone caused no round"
+        assert any(e["event"] == "node_lost" for e in evs), job.logs()
         assert any(e["event"] == "loaded" for e in job.events("spare")), job.logs()
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from jitckpt import contract, layout
 
 from .. import decide, transfer
+from . import alive
 from .episode import Failure
 
 STATIC_LOST = ("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) cannot "
@@ -37,10 +38,13 @@ class Restorer:
         self.coord: decide.Coordinator | None = None
         self._server: transfer.ReplicaServer | None = None
         self.decision: decide.Decision | None = None
+        self.silence: alive.Silence | None = None  # which agents stopped beating (main thread)
+        self._pulse: alive.Pulse | None = None
 
-    def join_round(self, store, round_: int, group_rank: int) -> None:
+    def join_round(self, store, round_: int, group_rank: int, rdzv_node: str | None = None) -> None:
         """Say which node holds ``group_rank`` this round (``store``: the
-        coordination store, or None)."""
+        coordination store, or None; ``rdzv_node``: this agent's name in a
+        dynamic rendezvous, for the evidence of lost nodes)."""
         if store is None:
             return
         if self.coord is None:
@@ -48,10 +52,15 @@ class Restorer:
             self.coord = decide.Coordinator(transfer.own_connection(store), self._jit.token, self._node)
             self._server = transfer.ReplicaServer(store, self._jit.token, self._node.node_id,
                                                   self._jit.root, self._jit.job_id).start()
+            if rdzv_node is not None:
+                self._pulse = alive.Pulse(store, self._jit.token, self._node.node_id, rdzv_node)
+                self.silence = alive.Silence(self.coord.store, self._jit.token)
         self.coord.announce(round_, group_rank)
 
     def close(self) -> bool:
         """False if the replica server thread would not stop."""
+        if self._pulse is not None:
+            self._pulse.stop()
         if self._server is None or self.coord is None:
             return True
         return self._server.stop(self.coord.store)
@@ -159,7 +168,8 @@ class Restorer:
         # round's "failed" key); one that has not started by then is gone
         grace = f.handling_since + 3.0
         final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
-        invs = coord.wait_inventories(round_, nodes, grace, final)
+        invs = coord.wait_inventories(round_, nodes, grace, final,
+                                      silent=self.silence.silent if self.silence is not None else None)
         # the other nodes posted after their savers exited: their ranks'
         # reports (checkpoint_saved, the step in progress) are in the store
         # now, and the record this node may write needs them
