@@ -25,12 +25,18 @@
    spread load on the backend, and a node waiting for others polls the
    backend once a second. Here the name comes from the frame itself, there is
    no skew sleep (a job has at most a few thousand agents, each making one
-   request per poll of one TCPStore), and the poll period is ``POLL_S``.
+   request per poll of one TCPStore), and the poll period is ``POLL_S`` for
+   up to ``POLL_NODES`` nodes, longer in proportion beyond: every poll reads
+   the whole rendezvous state, which names every node, so a fixed period
+   made the endpoint's traffic grow as the square of the node count (with
+   the period scaled it grows linearly: at most POLL_NODES / POLL_S state
+   reads a second, measured by ``scripts/bench_scale.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -133,7 +139,6 @@ def wait_outcome_read(handler, token: str, n: int, timeout_s: float = 5.0) -> bo
     """Keep the store up until ``n`` waiting nodes read the outcome: an agent
     that hosts the rendezvous store takes it along when it exits, and a spare
     that then finds no store cannot tell success from failure."""
-    import time
 
     store = coordination_store(handler)
     deadline = time.monotonic() + timeout_s
@@ -155,11 +160,22 @@ def join_timeout_s(handler) -> float | None:
 
 
 POLL_S = 0.05
+POLL_NODES = 16
+_poll_s = POLL_S  # this process's period: set by ``install`` from the job's size
+
+
+def spare_look_s() -> float:
+    """How often a healthy agent reads the rendezvous state for waiting spares."""
+    return max(0.5, 10 * _poll_s)
+
+
+def poll_period(max_nodes: int) -> float:
+    """The rendezvous poll period of a job of up to ``max_nodes`` nodes."""
+    return POLL_S * max(1.0, max_nodes / POLL_NODES)
 
 
 def _speed_up() -> None:
     import sys
-    import time
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
@@ -177,7 +193,7 @@ def _speed_up() -> None:
     def delay(seconds: float | tuple[float, float]) -> None:
         if isinstance(seconds, tuple):
             return  # the round-0 skew
-        time.sleep(min(seconds, POLL_S))
+        time.sleep(min(seconds, _poll_s))
 
     dr.get_method_name = get_method_name
     dr._delay = delay
@@ -190,6 +206,11 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
     if not _dynamic(handler) or getattr(handler, "_jitckpt_patched", False):
         return
     handler._jitckpt_patched = True
+    global _poll_s
+    try:
+        _poll_s = poll_period(int(handler.settings.max_nodes))
+    except (AttributeError, TypeError, ValueError):
+        _poll_s = POLL_S
     _speed_up()
     orig_next = handler.next_rendezvous
     orig_waiting = handler.num_nodes_waiting
@@ -209,7 +230,17 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
         handler._bootstrap_store_info = fresh
         return type(info)(info.store, info.rank, info.world_size, fresh)
 
+    last_look = [-1e9]
+
     def num_nodes_waiting() -> int:
+        # torch's agent asks on every monitor tick and each answer reads the whole
+        # state (every node's entry); a healthy job only reports spares, so it looks
+        # at most once per spare_look_s()
+        if healthy is not None and healthy():
+            now = time.monotonic()
+            if now - last_look[0] < spare_look_s():
+                return 0
+            last_look[0] = now
         n = orig_waiting()
         if n and healthy is not None and healthy():
             if on_spare is not None:

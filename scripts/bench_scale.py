@@ -176,6 +176,7 @@ class Job:
         self.at: dict[str, dict[str, float]] = {"decided": {}, "restarted": {}}
         self.snap: dict[str, dict] = {}
         self.errors: list[str] = []
+        self.cpu: dict[str, list[float]] = {"decided": []}  # per survivor's main thread, failure -> decision
 
     def mark(self, what: str, node_id: str, want: int) -> None:
         """``node_id`` reached ``what``; the last of ``want`` nodes takes the store tally."""
@@ -287,6 +288,7 @@ class SimNode:
         """A survivor's failure episode: its ranks report and save, the agent posts its
         inventory, the job decides, and the next rendezvous round admits the spare."""
         job, coord = self.job, self.coord
+        cpu0 = time.thread_time()  # this agent's own CPU: what it would spend on a node of its own
         f = Failure(time.time())
         for r in self.my_ranks():
             rep = Reporter(self.wconn, job.token, r)
@@ -311,6 +313,7 @@ class SimNode:
         won = coord.publish(d)
         if won.step != STEP or [n["node_id"] for n in won.lost] != [job.victim]:
             raise AssertionError(f"wrong decision: step {won.step}, lost {won.lost}")
+        job.cpu["decided"].append(time.thread_time() - cpu0)
         job.mark("decided", self.node.node_id, job.n - 1)
         info = self.handler.next_rendezvous()
         self.round, self.grank = rdzv.current_round(self.handler) or 0, info.rank
@@ -366,6 +369,8 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
             "keepalive_expiry_s": args.keepalive * args.keepalive_n,
             "to_decision": _delta(before, job.snap["decided"]), "to_restart": _delta(before, job.snap["restarted"]),
             "healthy_per_s": {k: {m: round(v / healthy_s) for m, v in healthy[k].items()} for k in BUCKETS},
+            "agent_cpu_to_decision_s": {"median": round(sorted(job.cpu["decided"])[len(job.cpu["decided"]) // 2], 4),
+                                        "max": round(max(job.cpu["decided"]), 4)},
             "load_avg": os.getloadavg()[0]}
 
 
@@ -464,7 +469,7 @@ def bench_transfer(mib: int) -> dict:
 def table(rows: list[dict]) -> str:
     head = (f"{'nodes':>6} {'decide s':>9} {'restart s':>10} {'msgs/fail':>10} {'bytes/fail':>11} "
             f"{'decide msgs':>12} {'report msgs':>12} {'rdzv msgs':>10} {'rdzv bytes':>11} {'healthy msg/s':>14} "
-            f"{'cpu s':>6} {'load':>5}")
+            f"{'cpu s':>6} {'agent cpu':>9} {'load':>5}")
     lines = [head]
     for r in rows:
         t = r["to_restart"]
@@ -472,7 +477,8 @@ def table(rows: list[dict]) -> str:
         hz = sum(v["msgs"] for v in r["healthy_per_s"].values())
         lines.append(f"{r['nodes']:>6} {r['decision_s']:>9.3f} {r['restarted_s']:>10.3f} {msgs:>10} {nbytes:>11} "
                      f"{t['decide']['msgs']:>12} {t['reports']['msgs']:>12} {t['rdzv']['msgs']:>10} "
-                     f"{t['rdzv']['bytes']:>11} {hz:>14} {t['cpu_s']:>6.2f} {r['load_avg']:>5.1f}")
+                     f"{t['rdzv']['bytes']:>11} {hz:>14} {t['cpu_s']:>6.2f} "
+                     f"{r['agent_cpu_to_decision_s']['max']:>9.3f} {r['load_avg']:>5.1f}")
     return "\n".join(lines)
 
 
@@ -502,6 +508,13 @@ def plot(rows: list[dict], path: Path) -> str:
     return f"plot: {path}"
 
 
+def _write(out: Path, args: argparse.Namespace, rows: list[dict], xfer: dict | None) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"args": vars(args), "rows": rows, "transfer": xfer}, indent=1))
+    os.replace(tmp, out.with_suffix(".json"))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="2,8,32,128,256", help="comma-separated node counts ('' : none)")
@@ -518,22 +531,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--xfer-mib", type=int, default=1024, help="replica size for the transfer bench (0: skip)")
     p.add_argument("--out", default=str(ROOT / "bench_results" / "scale"), help="prefix of the .json and .png")
     args = p.parse_args(argv)
-    rows = []
+    rows: list[dict] = []
+    out = Path(args.out)
     for n in (int(x) for x in args.nodes.split(",") if x):
         if n < 2:
             p.error("--nodes: at least 2 nodes (one of them fails)")
         rows.append(run_once(n, args))
         print(table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
+        _write(out, args, rows, None)  # each size as it is measured: a larger one may not finish
+        plot(rows, out.with_suffix(".png"))
     xfer = bench_transfer(args.xfer_mib) if args.xfer_mib > 0 else None
     if xfer:
         print(f"replica transfer of {xfer['mib']} MiB: through the store {xfer['store']['MB_per_s']} MB/s "
               f"({xfer['store']['seconds']} s, {xfer['store_msgs']} store calls); direct stream "
               f"{xfer['stream']['MB_per_s']} MB/s ({xfer['stream']['seconds']} s); sha256 checked both times")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"args": vars(args), "rows": rows, "transfer": xfer}, indent=1))
-    os.replace(tmp, out.with_suffix(".json"))
+    _write(out, args, rows, xfer)
     if rows:
         print(plot(rows, out.with_suffix(".png")))
     return 0
