@@ -72,6 +72,7 @@ class Reporter:
 
 
 SLOT_GRACE_S = 2.0
+BATCH = 256  # report slots read in one multi_get
 WAKE = "_wake"  # a launcher-internal record (see jitrun.wakeup); readers skip it
 
 
@@ -101,7 +102,10 @@ class ReportReader:
         instead of after SLOT_GRACE_S."""
         out: list[dict] = []
         last = self._count()
+        batch = True  # until a batch finds an empty slot: then one by one, as before batching
         while self._next <= last:
+            if batch and (batch := self._batch(last, out)):
+                continue
             key = self._auth.key("r", self._next)
             if not self._store.check([key]):
                 now = time.monotonic()
@@ -110,9 +114,29 @@ class ReportReader:
                 if now - self._waiting_since < SLOT_GRACE_S and not drain:
                     break
             else:
-                msg = self._auth.open(key, self._store.get(key), f"report {self._next}", REPORT)
-                if msg is not None and msg["event"] != WAKE:
-                    out.append(msg)
+                self._take(self._next, key, self._store.get(key), out)
             self._waiting_since = None
             self._next += 1
         return out
+
+    def _batch(self, last: int, out: list[dict]) -> bool:
+        """Read the slots from the next one up to ``last`` (at most BATCH) in two round
+        trips when all are set: every agent reads every rank's reports, and a round trip
+        per report made a failure's store traffic grow as the square of the job's size.
+        False (nothing read) when a slot is still empty: the caller takes them one by one."""
+        seqs = list(range(self._next, min(last, self._next + BATCH - 1) + 1))
+        if len(seqs) < 2:
+            return False
+        keys = [self._auth.key("r", s) for s in seqs]
+        if not self._store.check(keys):
+            return False
+        for s, key, raw in zip(seqs, keys, self._store.multi_get(keys), strict=True):
+            self._take(s, key, raw, out)
+        self._waiting_since = None
+        self._next = seqs[-1] + 1
+        return True
+
+    def _take(self, seq: int, key: str, raw: bytes, out: list[dict]) -> None:
+        msg = self._auth.open(key, raw, f"report {seq}", REPORT)
+        if msg is not None and msg["event"] != WAKE:
+            out.append(msg)

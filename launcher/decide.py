@@ -229,6 +229,10 @@ def choose_source(d: Decision, inventories: list[dict]) -> None:
                                     if ver is not None else [])}
 
 
+# keys per multi_get: bounds one request (and one reply) at a few hundred records
+_BATCH = 256
+
+
 class Coordinator:
     """Store I/O of the decision protocol for one agent."""
 
@@ -248,9 +252,23 @@ class Coordinator:
         self.auth.put(self.store, asdict(self.node), "round", round_, "node", group_rank)
 
     def nodes(self, round_: int, group_world_size: int) -> list[dict]:
-        got = (self._get(f"round {round_} member {g}", "round", round_, "node", g, schema=NODE)
-               for g in range(group_world_size))
-        return [n for n in got if n is not None]
+        keys = {self._k("round", round_, "node", g): f"round {round_} member {g}" for g in range(group_world_size)}
+        return [n for n in self._read_all(keys, NODE) if n is not None]
+
+    def _read_all(self, keys: dict[str, str], schema: auth.Schema) -> list:
+        """The verified records at ``keys`` (key -> what), None where absent or rejected.
+        One round trip for all when every key is set (the usual case: a node reads
+        every node's record, so a round trip per key made the job's traffic grow as
+        the square of the node count), else a check per key."""
+        names = list(keys)
+        if not names:
+            return []
+        if self.store.check(names):
+            raws = [raw for i in range(0, len(names), _BATCH) for raw in self.store.multi_get(names[i:i + _BATCH])]
+        else:
+            raws = [self.store.get(k) if self.store.check([k]) else None for k in names]
+        return [None if raw is None else self.auth.open(k, raw, keys[k], schema)
+                for k, raw in zip(names, raws, strict=True)]
 
     def post(self, round_: int, inv: dict) -> None:
         self.auth.put(self.store, inv, "round", round_, "inv", self.node.node_id)
@@ -280,13 +298,8 @@ class Coordinator:
                     if self._get(f"round {round_} handling mark of {n}", "round", round_, "handling", n) == n]
             if busy:
                 self._wait(busy, final)
-        out = []
-        for n, k in inv.items():
-            if self.store.check([k]):
-                got = self.auth.open(k, self.store.get(k), f"round {round_} inventory of {n}", INVENTORY)
-                if got is not None and got["node_id"] == n:
-                    out.append(got)
-        return out
+        got = self._read_all({k: f"round {round_} inventory of {n}" for n, k in inv.items()}, INVENTORY)
+        return [g for n, g in zip(inv, got, strict=True) if g is not None and g["node_id"] == n]
 
     def _wait_posted(self, inv: dict[str, str], until: float,
                      silent: Callable[[list[str]], set[str]] | None) -> bool:

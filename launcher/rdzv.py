@@ -26,13 +26,19 @@
    backend once a second, and its state holder answers from a one-second
    cache. Here the name comes from the frame itself, there is no skew sleep
    (a job has at most a few thousand agents, each making one request per poll
-   of one TCPStore), the poll period is ``POLL_S`` and the cache is off while
-   a rendezvous runs (``_uncached``).
+   of one TCPStore), the cache is off while a rendezvous runs (``_uncached``)
+   and the poll period is ``POLL_S`` for up to ``POLL_NODES`` nodes, longer in
+   proportion beyond: every poll reads the whole rendezvous state, which names
+   every node, so a fixed period made the endpoint's traffic grow as the
+   square of the node count (with the period scaled it grows linearly: at most
+   POLL_NODES / POLL_S state reads a second, measured by
+   ``scripts/bench_scale.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -140,7 +146,6 @@ def wait_outcome_read(handler, token: str, n: int, timeout_s: float = 5.0) -> bo
     """Keep the store up until ``n`` waiting nodes read the outcome: an agent
     that hosts the rendezvous store takes it along when it exits, and a spare
     that then finds no store cannot tell success from failure."""
-    import time
 
     store = coordination_store(handler)
     deadline = time.monotonic() + timeout_s
@@ -162,6 +167,20 @@ def join_timeout_s(handler) -> float | None:
 
 
 POLL_S = 0.05
+POLL_NODES = 16
+_poll_s = POLL_S  # this process's period: set by ``install`` from the job's size
+
+
+def spare_look_s() -> float:
+    """How often a healthy agent reads the rendezvous state for waiting spares."""
+    return max(0.5, 10 * _poll_s)
+
+
+def poll_period(max_nodes: int) -> float:
+    """The rendezvous poll period of a job of up to ``max_nodes`` nodes."""
+    return POLL_S * max(1.0, max_nodes / POLL_NODES)
+
+
 # called in every wait of a rendezvous (the agent's main thread); see drop_silent
 _while_waiting: Callable[[], None] | None = None
 
@@ -200,7 +219,6 @@ def drop_silent(handler, silence, on_drop: Callable[[list[str]], None]) -> None:
 
 def _speed_up() -> None:
     import sys
-    import time
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
@@ -223,7 +241,7 @@ def _speed_up() -> None:
                 _while_waiting()
             except Exception as e:  # evidence is an optimisation: the keep-alive expiry still works
                 log.debug("lost-node check failed: %s", e)
-        time.sleep(min(seconds, POLL_S))
+        time.sleep(min(seconds, _poll_s))
 
     dr.get_method_name = get_method_name
     dr._delay = delay
@@ -254,6 +272,11 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
     if not _dynamic(handler) or getattr(handler, "_jitckpt_patched", False):
         return
     handler._jitckpt_patched = True
+    global _poll_s
+    try:
+        _poll_s = poll_period(int(handler.settings.max_nodes))
+    except (AttributeError, TypeError, ValueError):
+        _poll_s = POLL_S
     _speed_up()
     orig_next = handler.next_rendezvous
     orig_waiting = handler.num_nodes_waiting
@@ -273,7 +296,17 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
         handler._bootstrap_store_info = fresh
         return type(info)(info.store, info.rank, info.world_size, fresh)
 
+    last_look = [-1e9]
+
     def num_nodes_waiting() -> int:
+        # torch's agent asks on every monitor tick and each answer reads the whole
+        # state (every node's entry); a healthy job only reports spares, so it looks
+        # at most once per spare_look_s()
+        if healthy is not None and healthy():
+            now = time.monotonic()
+            if now - last_look[0] < spare_look_s():
+                return 0
+            last_look[0] = now
         n = orig_waiting()  # torch counts its wait list only: a node that came to a full job is
         spares = n + len(getattr(handler._state_holder.state, "redundancy_list", ()))  # in the redundancy list
         if spares and healthy is not None and healthy():

@@ -464,3 +464,32 @@ def test_bench_recovery_dispatches_multinode(monkeypatch):
     monkeypatch.setattr(bm, "main", lambda argv: seen.append(argv) or 0)
     assert br.main(["--multinode", "--quick", "--json", ""]) == 0
     assert seen == [["--quick", "--json", ""]]
+
+
+# -- bench_scale (real: the coordination code over real TCPStores, tiny N) -------------------------
+
+
+def test_bench_scale_tiny(tmp_path):
+    """Two and five simulated nodes, one failed, a spare admitted, and a small replica
+    moved both ways. The bench itself raises (exit 1) unless every survivor reads the
+    same decision (the failure's step, the failed node lost) and every node is re-admitted;
+    here: every store call counted, the decision's messages grow linearly with the nodes
+    (13 calls per survivor, 3 for the spare; a round trip per peer record made them grow
+    as N^2), and both transfers delivered the sent bytes."""
+    out = tmp_path / "scale"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--nodes", "2,5", "--xfer-mib", "8",
+         "--timeout", "60", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["nodes"] for r in data["rows"]] == [2, 5]
+    for r in data["rows"]:
+        n, t = r["nodes"], r["to_restart"]
+        assert 0 < r["decision_s"] < r["restarted_s"]
+        assert t["rdzv"]["msgs"] > 0 and t["reports"]["msgs"] > 0 and t["rdzv"]["bytes"] > 0
+        assert 0 < t["decide"]["msgs"] <= 13 * (n - 1) + 3, t
+    xfer = data["transfer"]
+    assert xfer["mib"] == 8 and xfer["store"]["sha256_ok"] and xfer["stream"]["sha256_ok"]
+    assert xfer["store_msgs"] >= 2 * 3  # two chunks, each set, waited for, read, deleted, acknowledged
+    assert "replica transfer of 8 MiB" in proc.stdout

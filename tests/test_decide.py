@@ -226,3 +226,24 @@ def test_rdzv_hides_waiting_nodes_while_healthy():
     assert h.num_nodes_waiting() == 0 and seen == [1]
     healthy[0] = False
     assert h.num_nodes_waiting() == 1
+
+
+def test_rdzv_reads_the_state_for_spares_at_a_bounded_rate(monkeypatch):
+    """Every look for spares reads the whole rendezvous state (every node's entry):
+    a healthy agent looks at most every spare_look_s(), and the poll period grows
+    with the job beyond POLL_NODES nodes, so the endpoint's load stays linear."""
+    from jitrun import rdzv
+
+    h = _FakeHandler(dist.HashStore(), 0, port=1, waiting=1)
+    looks = []
+    orig = h.num_nodes_waiting
+    h.num_nodes_waiting = lambda: looks.append(1) or orig()
+    healthy = [True]
+    rdzv.install(h, on_spare=lambda n: None, healthy=lambda: healthy[0])
+    assert [h.num_nodes_waiting() for _ in range(5)] == [0] * 5 and len(looks) == 1
+    monkeypatch.setattr(rdzv, "spare_look_s", lambda: 0.0)
+    assert h.num_nodes_waiting() == 0 and len(looks) == 2
+    healthy[0] = False  # a failure: torch's agent gets the real count at once
+    assert h.num_nodes_waiting() == 1 and len(looks) == 3
+    assert rdzv.poll_period(2) == rdzv.poll_period(rdzv.POLL_NODES) == rdzv.POLL_S
+    assert rdzv.poll_period(16 * rdzv.POLL_NODES) == pytest.approx(16 * rdzv.POLL_S)
