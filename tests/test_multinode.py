@@ -293,11 +293,14 @@ def test_spare_exits_with_the_jobs_outcome(mn_reference):
     has read the outcome."""
     ref = mn_reference(2, 1, STEPS)
     with Cluster(3) as c:
-        job = Job(c, 1, STEPS, nnodes=2, train=["--step-sleep", "0.1"])
+        # long enough for the spare's agent to start and wait on a loaded machine
+        job = Job(c, 1, STEPS, nnodes=2, train=["--step-sleep", "0.5"])
         job.start_all()
         job.wait_for_output("agent0", "step    0")
         spare = c.nodes[2]
         job.start(spare, name="spare")
+        job.wait_spare()
+        assert "trained" not in job.procs["agent0"].output(), "training too short for this test"
         codes = job.wait(timeout=240)
         assert codes == {"agent0": 0, "agent1": 0, "spare": 0}, f"exit codes {codes}\n{job.logs()}"
         assert "finished while this node waited" in job.procs["spare"].output(), job.logs()
