@@ -26,6 +26,7 @@ class ReportBook:
         # sign of life, the failure time when no injector stamped it
         self.life: dict[int, tuple[float, float]] = {}
         self.loaded: dict[int, object] = {}  # rank -> step it loaded, this round
+        self.fingerprint: dict[int, object] = {}  # rank -> its state digest the replicas verified, this round
         # this round's start-up milestones per rank: process created,
         # get_checkpoint_path() asked, first training step entered
         self.boot: dict[int, float] = {}
@@ -36,7 +37,7 @@ class ReportBook:
     def new_round(self, round_: int, local_ranks: set[int]) -> None:
         self.round = round_
         self.local_ranks = set(local_ranks)
-        for d in (self.loaded, self.life, self.boot, self.query, self.train):
+        for d in (self.loaded, self.fingerprint, self.life, self.boot, self.query, self.train):
             d.clear()
 
     def of_this_round(self, m: dict) -> bool:
@@ -74,6 +75,7 @@ class ReportBook:
                 on_resumed(m)
         if ev == "loaded":
             self.loaded[rank] = m.get("loaded")
+            self.fingerprint[rank] = m.get("fingerprint")
             self.train[rank] = m["t"]
             if m.get("query_t"):
                 self.query[rank] = m["query_t"]
