@@ -66,7 +66,9 @@ class Verifier:
         return compute(state_items(tracked.models(), tracked.optimizers()))
 
     def _timeout(self) -> float:
-        return max(600.0, self.rt.cfg.timeout_s)
+        """At the start ranks may be minutes apart (loading, a slow node); once training runs, a
+        peer that does not post within the JIT timeout failed, as in a hung collective."""
+        return max(600.0, self.rt.cfg.timeout_s) if self.rt.phase is Phase.INIT else self.rt.cfg.timeout_s
 
     def _flag(self, name: str) -> str | None:
         rec = auth.of(self.rt.cfg.token).get(self._store, f"verify {name} flag", "verify", name, schema=FLAG)
@@ -147,7 +149,11 @@ class Verifier:
             self._stage(step, collective)
 
     def _periodic(self, step: int) -> None:
-        _, verdict = self._compare("step", step)
+        try:
+            _, verdict = self._compare("step", step)
+        except Exception as e:  # the store's timeout or a lost store: a peer failed during the check
+            self.rt.request_save(f"replica check after step {step} failed: {type(e).__name__}: {e}")
+            return  # deferred (after a step): the JIT save runs at this minibatch start
         if verdict.ok:
             if not self.ever_ok and self.rt.cfg.rank == 0:
                 self._set_flag("ok", f"step {step}")

@@ -111,6 +111,8 @@ class ReportBook:
         if ev == "failure_detected":
             f.detected_t = min(f.detected_t, m["t"])
             f.reasons.setdefault(rank, m.get("reason", "?"))
+            if m.get("reason") == "sdc_suspect":  # outranks the SIGTERM the episode may have sent it first
+                f.reasons[rank] = "sdc_suspect"
         elif ev == "save_started":
             f.saving.add(rank)
         elif ev == "checkpoint_saved":
