@@ -161,4 +161,5 @@ def get_checkpoint_path() -> str | None:
     rt.steps_done = rep.step if claimed is None else claimed
     rt.restored = True
     rt.loaded = rt.steps_done
-    return str(rep.path)
+    rt.loaded_path = str(rep.path)
+    return rt.loaded_path

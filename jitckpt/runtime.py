@@ -145,6 +145,7 @@ class Runtime:
         self.on_snapshot: Callable[..., None] | None = None
         self.verifier = None  # verifier.Verifier: the replicas' state checks (jitrun only)
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
+        self.loaded_path: str | None = None  # and where it was
         self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)
         self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import auth, contract, replica_check, tracked
+from . import auth, contract, layout, replica_check, tracked
 from . import config as _config
 from .fingerprint import Fingerprint, compute, state_items, tensors_by_name, words
 from .runtime import Phase, Runtime
@@ -120,7 +120,14 @@ class Verifier:
                          "mix them. No training step was taken. Check the replicas this attempt loaded "
                          "(events: loaded, restore_fallback) and the jit dirs of every node",
                          {"mismatch": _fields(verdict)})
-        self.stage_pending = self.every > 0
+        if self.every > 0 and self.ever_ok:
+            # a mismatch at the next check is corruption (not replicas that differ by nature): keep
+            # the state just verified to roll back to; a replica restored here is that state already
+            loaded_here = self.rt.loaded_path is not None and type(self.rt.loaded) is int
+            if loaded_here and self.rt.loaded == self.rt.steps_done:
+                self.staged = (self.rt.steps_done, Path(self.rt.loaded_path))
+            else:
+                self.stage_pending = True
         return verdict.digests.get(self.rt.shard)
 
     def _turn_off(self, verdict: replica_check.Verdict, when: str) -> None:
@@ -146,7 +153,11 @@ class Verifier:
             self._periodic(step)
         if self.stage_pending and self.rt.save_fn is not None:
             self.stage_pending = False
-            self._stage(step, collective)
+            try:
+                self._stage(step, collective)
+            except Exception as e:  # tmpfs full, not ours: a rollback would go back further, or stop the job
+                self._say(f"could not stage the verified state of step {step} in host memory "
+                          f"({type(e).__name__}: {e}); the last one staged stays the rollback point")
 
     def _periodic(self, step: int) -> None:
         try:
@@ -263,8 +274,14 @@ class Verifier:
         rt._claim_save()
 
         def copy_staged(d: str) -> None:
-            shutil.copytree(src, d, dirs_exist_ok=True)
+            shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(layout.MANIFEST))
 
+        from . import ec_files
+
+        try:  # EC snapshots taken since may be of the corrupted state: the restart must not prefer them
+            ec_files.drop_versions_after(rt.cfg.job_id, good)
+        except OSError as e:
+            self._say(f"could not drop the EC snapshots newer than step {good}: {e}")
         rt.save_fn = copy_staged
         rt.steps_done = good
         rt._save_and_exit("state_mismatch", Phase.FWD, announced=True)

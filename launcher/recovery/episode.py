@@ -49,9 +49,9 @@ class Failure:
         self.diverged = False  # ranks loaded different states: never train on
 
 
-DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps (see the workers' 'state "
-            "divergence' lines); no training step was taken and the job is not restarted. Check that every node "
-            "sees the same jit dir contents or can reach the others.")
+DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
+            "'REFUSING TO TRAIN' lines); no training step was taken and the job is not restarted. Check that every "
+            "node sees the same jit dir contents or can reach the others.")
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
 SAVE_GRACE_S = 1.0  # another replica of a complete step mid-save: not needed, not waited for longer
 EXIT_GRACE_S = 2.0  # savers that published exit on their own within this
