@@ -131,3 +131,16 @@ def test_record_carries_the_verified_digest_per_shard():
 def test_record_has_none_when_a_rank_verified_nothing():
     assert verified_fingerprint(_book({0: {"loaded": 4, "fingerprint": "a" * 32}, 1: {"loaded": 4}})) is None
     assert verified_fingerprint(_book({})) is None
+
+
+def test_a_suspect_is_a_failed_rank_for_the_scheduler_hook():
+    from jitrun.recovery import episode
+
+    f = Failure(1.0)
+    f.reasons = {0: "state_mismatch", 1: "state_mismatch", 2: "sdc_suspect"}
+    f.saved = {0: {}, 1: {}, 2: {}}  # every rank published the verified state
+    exited = {0: 75, 1: 75, 2: 75}
+    assert episode.failed_ranks(f, exited) == [2]
+    assert episode.sdc_suspects(f, exited) == {2}
+    f.reasons[2] = "state_mismatch"
+    assert episode.failed_ranks(f, exited) == []
