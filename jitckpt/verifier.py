@@ -55,6 +55,7 @@ class Verifier:
         self.staged: tuple[int, Path] | None = None  # (step, dir) of the last verified state
         self._prev_label: tuple | None = None
         self._checked_step = -1
+        self._at_end = False
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -66,9 +67,11 @@ class Verifier:
         return compute(state_items(tracked.models(), tracked.optimizers()))
 
     def _timeout(self) -> float:
-        """At the start ranks may be minutes apart (loading, a slow node); once training runs, a
-        peer that does not post within the JIT timeout failed, as in a hung collective."""
-        return max(600.0, self.rt.cfg.timeout_s) if self.rt.phase is Phase.INIT else self.rt.cfg.timeout_s
+        """At the start ranks may be minutes apart (loading, a slow node); once training runs (or the
+        script ended), a peer that does not post within the JIT timeout failed, as in a hung collective."""
+        if self.rt.phase is Phase.INIT and not self._at_end:
+            return max(600.0, self.rt.cfg.timeout_s)
+        return self.rt.cfg.timeout_s
 
     def _flag(self, name: str) -> str | None:
         rec = auth.of(self.rt.cfg.token).get(self._store, f"verify {name} flag", "verify", name, schema=FLAG)
@@ -129,6 +132,24 @@ class Verifier:
             else:
                 self.stage_pending = True
         return verdict.digests.get(self.rt.shard)
+
+    def at_end(self) -> str | None:
+        """The script ended without a training step after its restore (restored after the last
+        minibatch): the replicas compare once, so the result written from that state is verified
+        too. A peer that does not post within the JIT timeout leaves it unverified (None)."""
+        rt = self.rt
+        if self.off or rt._checked or not rt.restored or rt.reporter is None:
+            return None
+        rt._checked = self._at_end = True
+        try:
+            _, verdict = self._compare("end")
+        except Exception as e:  # a peer that failed at its end: nothing trains on, say it
+            self._say(f"the replicas' states were not compared at the end: {type(e).__name__}: {e}")
+            return None
+        if not verdict.ok:
+            self._refuse(f"the replicas restored different states ({verdict.describe()}) and the script "
+                         "ended on them", {"mismatch": _fields(verdict)})
+        return verdict.digests.get(rt.shard)
 
     def _turn_off(self, verdict: replica_check.Verdict, when: str) -> None:
         why = (f"the replicas' states differed {when} ({verdict.describe()}), as replicas of a job with "

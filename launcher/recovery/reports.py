@@ -69,6 +69,8 @@ class ReportBook:
             self.finished.add(rank)
             if m.get("loaded") is not None and self.loaded.get(rank) is None and current:
                 self.loaded[rank] = m["loaded"]
+            if m.get("fingerprint") is not None and current:
+                self.fingerprint.setdefault(rank, m["fingerprint"])
             if current:
                 # restored after the last minibatch (e.g. a save at a barrier
                 # after the loop): the job ends without another minibatch
