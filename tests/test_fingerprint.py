@@ -123,8 +123,8 @@ import torch, sys
 sys.path.insert(0, {tests!r})
 from test_fingerprint import _model_and_adam
 from jitckpt.fingerprint import compute, state_items
+m, opt = _model_and_adam(7)  # trained with the default threads, as in the parent: the same state
 torch.set_num_threads({threads})
-m, opt = _model_and_adam(7)
 big = torch.randn(3_000_000, generator=torch.Generator().manual_seed(9))
 print(compute(state_items([m], [opt]) + [("big", big)]).digest)
 """
