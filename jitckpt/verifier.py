@@ -98,7 +98,8 @@ class Verifier:
         print(f"[jitckpt] rank {self.rt.cfg.rank}: {msg}", file=sys.stderr, flush=True)
 
     def _refuse(self, why: str, fields: dict) -> None:
-        self.rt.report("state_mismatch", error=why, step=self.rt.steps_done, **fields)
+        # at_step, not step: the agent reads a report's step as work done (the minibatch in progress)
+        self.rt.report("state_mismatch", error=why, at_step=self.rt.steps_done, **fields)
         self._say(f"REFUSING TO TRAIN: {why}")
         os._exit(_config.EXIT_DIVERGED)
 
@@ -202,10 +203,10 @@ class Verifier:
         odd = verdict.odd_ranks()
         fields = {"mismatch": _fields(verdict), "suspects": odd, "verified_step": self.staged and self.staged[0]}
         if cfg.rank == min(r for m in verdict.mismatches for rs in m.groups.values() for r in rs):
-            self.rt.report("state_mismatch", step=step, error=verdict.describe(), **fields)
+            self.rt.report("state_mismatch", at_step=step, error=verdict.describe(), **fields)
         self._say(f"replica states differ after step {step}: {verdict.describe()}")
         if cfg.rank in odd:
-            self.rt.report("sdc_suspect", step=step, tensor=next(m.tensor for m in verdict.mismatches
+            self.rt.report("sdc_suspect", at_step=step, tensor=next(m.tensor for m in verdict.mismatches
                                                                  if cfg.rank in m.odd))
         if self.every == 1 and self._repairable(verdict) and self._repair(step, verdict):
             return
@@ -282,12 +283,27 @@ class Verifier:
         os.rename(tmp, final)
         self.staged = (step, final)
 
+    def _all_at(self, step: int, what: str) -> None:
+        """Wait (at most the JIT timeout) until every rank got here."""
+        cfg = self.rt.cfg
+        a = auth.of(cfg.token)
+        try:
+            a.put(self._store, {"at": step}, what, cfg.attempt, step, cfg.rank)
+            self._store.wait([a.key(what, cfg.attempt, step, r) for r in range(cfg.world_size)],
+                             timedelta(seconds=cfg.timeout_s))
+        except Exception as e:  # a peer gone: the episode's SIGTERM may then be reported, nothing worse
+            self._say(f"not every rank reached the {what} within {cfg.timeout_s}s: {e}")
+
     def _rollback(self, step: int, verdict: replica_check.Verdict, odd: list[int]) -> None:
         rt = self.rt
         if self.staged is None:
             self._refuse(f"the replicas' states differ after step {step} ({verdict.describe()}) and no verified "
                          "state is staged to roll back to (jitckpt.register a save_fn)", {"suspects": odd})
         good, src = self.staged
+        with rt._lock:  # from here a SIGTERM of the episode finds a save pending and reports nothing
+            if rt.deferred is None:
+                rt.deferred = "state_mismatch"
+        self._all_at(step, "rollback")  # ... on every rank, before the first report starts the episode
         rt.report("failure_detected", reason="sdc_suspect" if rt.cfg.rank in odd else "state_mismatch",
                   phase=rt.phase.value, step=step - 1, minibatch_s=rt.minibatch_s(),
                   action=f"rolling back to the verified state of step {good}")

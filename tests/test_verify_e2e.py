@@ -32,11 +32,11 @@ def test_bitflip_is_rolled_back_to_the_last_verified_state(tmp_path, reference, 
     _job_ok(job)
     assert_same_state(reference(3, STEPS), job.out)
     mismatch = job.of("state_mismatch")
-    assert len(mismatch) == 1 and mismatch[0]["step"] == 50, mismatch  # the first check after the flip
+    assert len(mismatch) == 1 and mismatch[0]["at_step"] == 50, mismatch  # the first check after the flip
     assert mismatch[0]["suspects"] == [2] and mismatch[0]["verified_step"] == 40, mismatch
     assert [e["rank"] for e in job.of("sdc_suspect")] == [2]
     # an optimizer-state flip has changed rank 2's parameter by the next step: it comes first in the order
-    assert job.of("sdc_suspect")[0]["tensor"] == "m0.module.tok.weight", job.of("sdc_suspect")
+    assert job.of("sdc_suspect")[0]["tensor"] == "m0.module.pos", job.of("sdc_suspect")
     (rec,) = job.of("recovery")
     assert rec["restore_step"] == 40 and rec["redone_minibatches"] == 10, rec
     assert {e["step"] for e in job.of("checkpoint_saved")} == {40}
@@ -50,7 +50,7 @@ def test_bitflip_with_two_replicas_rolls_back_and_names_no_one(tmp_path, referen
     _job_ok(job)
     assert_same_state(reference(2, STEPS), job.out)
     (mismatch,) = job.of("state_mismatch")
-    assert mismatch["step"] == 50 and mismatch["suspects"] == [], mismatch
+    assert mismatch["at_step"] == 50 and mismatch["suspects"] == [], mismatch
     assert job.of("sdc_suspect") == []
     (rec,) = job.of("recovery")
     assert rec["restore_step"] == 40 and rec["redone_minibatches"] == 10, rec
@@ -83,7 +83,8 @@ def test_a_swapped_replica_is_refused_before_any_step(tmp_path):
     groups = mismatch[0]["mismatch"][0]["groups"]
     assert sorted(map(sorted, groups.values())) == [[0, 2], [1]], groups
     assert job.of("job_abort"), job.events()
-    assert len(job.of("recovery")) == 2  # the two real failures; the third start never trained
+    # the first failure's recovery; the second one's would be written when the third start trained
+    assert len(job.of("recovery")) == 1
     assert not job.of("state_divergence")  # every rank claimed the same step
     exits = {e["rank"]: e["exitcode"] for e in job.of("worker_exit")
              if e["t"] >= job.of("restart")[-1]["t"]}
