@@ -173,7 +173,8 @@ def main() -> NoReturn:
     if code == 0:
         # loaded: for a rank restored after the last minibatch, which never
         # reaches the training-start report
-        rt.report("finished", step=rt.steps_done, loaded=rt.loaded)
+        fp = rt.verifier.at_end() if rt.verifier is not None else None
+        rt.report("finished", step=rt.steps_done, loaded=rt.loaded, fingerprint=fp)
     try:
         rt.injector.maybe_fire("exit", rt.steps_done)  # tests: a crash as the process ends
     except BaseException as e:

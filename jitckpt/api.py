@@ -38,6 +38,9 @@ def install() -> Runtime:
         from . import ec_snapshot  # --jit-ec-every N: nothing happens when N is 0
 
         ec_snapshot.install(rt)
+        from . import verifier  # the replicas' state checks: at the start, and every N minibatches
+
+        verifier.install(rt)
     elif rt.cfg.fault_spec:
         # Fault injection alone, e.g. a plain torchrun baseline started with
         # `torchrun ... -m jitckpt._bootstrap train.py`: no detection, no saves.
@@ -130,8 +133,12 @@ def get_checkpoint_path() -> str | None:
     def older(s: int) -> int | None:
         return layout.select_step(replicas, {rt.shard}, max_step=s - 1)
 
-    if step is not None and rt.injector.take_stale_restore():
-        step = older(step)  # test fault: the consistency check must refuse this
+    claimed = None
+    fault = rt.injector.take_restore_fault() if step is not None else None
+    if fault is not None:
+        # test faults: an older replica, which the step check must refuse ("stale"), or
+        # passed off as the chosen step, which only the replicas' state check sees ("swap")
+        claimed, step = (step if fault == "swap" else None), older(step)
     if step is None:
         return None
     rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
@@ -151,7 +158,8 @@ def get_checkpoint_path() -> str | None:
         rep = layout.pick_replica(replicas, used, rt.shard, prefer_rank=cfg.rank)
     if rep is None:
         return None
-    rt.steps_done = rep.step
+    rt.steps_done = rep.step if claimed is None else claimed
     rt.restored = True
-    rt.loaded = rep.step
-    return str(rep.path)
+    rt.loaded = rt.steps_done
+    rt.loaded_path = str(rep.path)
+    return rt.loaded_path

@@ -79,6 +79,7 @@ EC_MAX_MEM = Var("JITCKPT_EC_MAX_MEM", str, "", "bytes of /dev/shm this job's EC
 EC_MAX_MEM_HOW = Var("JITCKPT_EC_MAX_MEM_HOW", str, "", "where that cap came from, for messages")
 EC_STATS = Var("JITCKPT_EC_STATS", _flag, False, "rank 0 prints per-snapshot timings")
 FAULT = Var("JITCKPT_FAULT", str, "", "fault injection (jitckpt/faults.py's language)")
+VERIFY_EVERY = Var("JITCKPT_VERIFY_EVERY", int, 0, "replicas compare state fingerprints every N minibatches (0: off)")
 MIGRATABLE = Var("JITCKPT_MIGRATABLE", _flag, False, "workers run under --jit-migratable on")
 MIGRATE_NO_PAUSE = Var("JITRUN_MIGRATE_NO_PAUSE", _flag, False, "migratable workers cannot pause (--no-python)")
 NODE = Var("JITCKPT_NODE", str, "", "a migrated worker's new node (set by the target agent)")

@@ -156,3 +156,15 @@ def drop_other_versions(job_id: str, d: Path, keep: int) -> None:
     for step, p in files:
         if step != keep:
             p.unlink(missing_ok=True)
+
+
+def drop_versions_after(job_id: str, step: int, base: Path | None = None) -> None:
+    """Every EC version newer than ``step`` on this node: after the replicas' states were found to differ,
+    those snapshots may hold the corrupted state, and a restart must not prefer them to the verified one."""
+    d = ec_dir(job_id, base)
+    if not layout.is_own_private_dir(job_root(job_id, base)) or not d.is_dir():
+        return
+    _committed, files = versions(job_id, d)
+    for s, p in files:
+        if s > step:
+            p.unlink(missing_ok=True)

@@ -13,12 +13,22 @@ keys:
            reported it finished, as the process ends). Default 0.
   phase    forward | backward | allreduce | optimizer | save | restore | exit
   kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
-           hang | exit | stale
+           hang | exit | stale | bitflip
            (signals are sent by the rank to itself; abort = os.abort();
            hang = blocks forever while holding the GIL; exit = os._exit(13);
            stale, only with phase=restore: get_checkpoint_path() returns the
            newest replica *older* than the chosen step, which the job-wide
-           consistency check must refuse)
+           consistency check must refuse; swap, only with phase=restore: the
+           same replica, but reported as the chosen step, a wrong restore only
+           the replicas' state check can see; bitflip, with phase=optimizer (the
+           default for it): flips one bit of the state right after minibatch
+           ``step``'s optimizer step, silent corruption the replicas' state
+           checks must catch)
+  target   bitflip only: param (default: the first element of the optimizer's
+           first parameter) | optim (the first element of that parameter's
+           first optimizer-state tensor, e.g. Adam's exp_avg)
+  bit      bitflip only: which bit of that element's bytes (default 20: a
+           float32's mantissa, a small change that training carries on with)
   attempt  job-wide attempt on which it fires (the rendezvous round under
            jitrun, the same on every node; TORCHELASTIC_RESTART_COUNT
            otherwise); default 0, so a recovered job does not fail again at
@@ -32,11 +42,14 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore", "exit")
-KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "exit", "stale")
+KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "exit", "stale",
+         "swap", "bitflip")
+TARGETS = ("param", "optim")
 EXIT_INJECTED = 13
 
 
@@ -52,20 +65,40 @@ class Fault:
     kind: str
     attempt: int = 0
     fired: bool = False
+    target: str = "param"  # bitflip: what it flips
+    bit: int = 20
+
+
+def _split(part: str) -> dict[str, str]:
+    kv: dict[str, str] = {}
+    for item in part.split(","):
+        if "=" not in item:
+            raise ValueError(f"JITCKPT_FAULT: {item!r} in {part!r} is not key=value")
+        k, v = item.split("=", 1)
+        kv[k.strip()] = v.strip()
+    unknown = set(kv) - {"rank", "step", "phase", "kind", "attempt", "target", "bit"}
+    if unknown:
+        raise ValueError(f"JITCKPT_FAULT: unknown keys {sorted(unknown)} in {part!r}")
+    if kv.get("kind") == "bitflip":
+        kv.setdefault("phase", "optimizer")
+    return kv
+
+
+def _check_kind(kv: dict[str, str], part: str) -> None:
+    if (kv["kind"] in ("stale", "swap")) != (kv["phase"] == "restore"):
+        raise ValueError(f"JITCKPT_FAULT: kind=stale or swap goes with phase=restore and only with it, in {part!r}")
+    if kv["kind"] == "bitflip" and kv["phase"] != "optimizer":
+        raise ValueError(f"JITCKPT_FAULT: kind=bitflip fires after an optimizer step: phase=optimizer, in {part!r}")
+    if kv["kind"] != "bitflip" and ("target" in kv or "bit" in kv):
+        raise ValueError(f"JITCKPT_FAULT: target= and bit= go with kind=bitflip only, in {part!r}")
+    if kv.get("target", "param") not in TARGETS:
+        raise ValueError(f"JITCKPT_FAULT: target {kv['target']!r} not one of {TARGETS}, in {part!r}")
 
 
 def parse(spec: str) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        kv: dict[str, str] = {}
-        for item in part.split(","):
-            if "=" not in item:
-                raise ValueError(f"JITCKPT_FAULT: {item!r} in {part!r} is not key=value")
-            k, v = item.split("=", 1)
-            kv[k.strip()] = v.strip()
-        unknown = set(kv) - {"rank", "step", "phase", "kind", "attempt"}
-        if unknown:
-            raise ValueError(f"JITCKPT_FAULT: unknown keys {sorted(unknown)} in {part!r}")
+        kv = _split(part)
         if "rank" not in kv or "phase" not in kv or "kind" not in kv:
             raise ValueError(f"JITCKPT_FAULT: {part!r} needs rank=, phase= and kind=")
         if kv["phase"] not in PHASES:
@@ -73,15 +106,38 @@ def parse(spec: str) -> list[Fault]:
         if kv["kind"] not in KINDS:
             raise ValueError(f"JITCKPT_FAULT: kind {kv['kind']!r} not one of {KINDS}")
         nums = {}
-        for key, default in (("rank", None), ("step", "0"), ("attempt", "0")):
+        for key, default in (("rank", None), ("step", "0"), ("attempt", "0"), ("bit", "20")):
             raw = kv.get(key, default)
             if not raw.isdigit():
                 raise ValueError(f"JITCKPT_FAULT: {key}={raw!r} in {part!r} must be a non-negative integer")
             nums[key] = int(raw)
-        if (kv["kind"] == "stale") != (kv["phase"] == "restore"):
-            raise ValueError(f"JITCKPT_FAULT: kind=stale goes with phase=restore and only with it, in {part!r}")
-        faults.append(Fault(phase=kv["phase"], kind=kv["kind"], **nums))
+        _check_kind(kv, part)
+        faults.append(Fault(phase=kv["phase"], kind=kv["kind"], target=kv.get("target", "param"), **nums))
     return faults
+
+
+def flip_bit(opt, target: str, bit: int) -> str:
+    """Flip ``bit`` of the first element of ``opt``'s first parameter (``param``) or of that
+    parameter's first optimizer-state tensor (``optim``), in place; what was flipped."""
+    import torch
+
+    p = next(p for g in opt.param_groups for p in g["params"])
+    name, t = "parameter 0", p
+    if target == "optim":
+        st = opt.state.get(p, {})
+        tensors = [(k, v) for k, v in sorted(st.items(), key=lambda kv: str(kv[0]))
+                   if isinstance(v, torch.Tensor) and v.numel() > 0]
+        if not tensors:
+            raise InjectedFault("bitflip target=optim: the optimizer holds no state for its first parameter yet")
+        name, t = f"optimizer state {tensors[0][0]!r} of parameter 0", tensors[0][1]
+    t = t.detach()
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    b = t.reshape(-1)[:1].view(torch.uint8)
+    if bit >= 8 * b.numel():
+        raise InjectedFault(f"bitflip bit={bit}: the element has only {8 * b.numel()} bits")
+    b[bit // 8:bit // 8 + 1].bitwise_xor_(1 << (bit % 8))
+    return f"bit {bit} of element 0 of {name} ({t.dtype})"
 
 
 def hang_holding_gil() -> None:
@@ -123,24 +179,38 @@ class Injector:
 
     def armed(self, phase: str, step: int) -> Fault | None:
         for f in self.pending:
-            if not f.fired and f.phase == phase and (phase in ("save", "restore", "exit") or f.step == step):
+            if f.fired or f.kind == "bitflip" or f.phase != phase:
+                continue  # a bitflip fires after the optimizer step (maybe_flip), not at its start
+            if phase in ("save", "restore", "exit") or f.step == step:
                 return f
         return None
 
-    def take_stale_restore(self) -> bool:
+    def take_restore_fault(self) -> str | None:
+        """kind=stale or kind=swap at phase=restore, once: which (None when none is armed)."""
         f = self.armed("restore", 0) if self.pending else None
-        if f is None or f.kind != "stale":
-            return False
+        if f is None or f.kind not in ("stale", "swap"):
+            return None
         f.fired = True
         if self._announce is not None:
             self._announce(f)
-        return True
+        return f.kind
 
     def fire(self, f: Fault, step: int) -> None:
         f.fired = True
         if self._announce is not None:
             self._announce(f)
         execute(f.kind, f"rank {f.rank} step {step} phase {f.phase}")
+
+    def maybe_flip(self, step: int, opt) -> None:
+        """Called after every optimizer step (``step``: the minibatch whose step it was)."""
+        for f in self.pending:
+            if not f.fired and f.kind == "bitflip" and f.step == step:
+                f.fired = True
+                if self._announce is not None:
+                    self._announce(f)
+                what = flip_bit(opt, f.target, f.bit)
+                print(f"[jitckpt] rank {f.rank}: injected fault: flipped {what} after step {step}'s optimizer "
+                      "step", file=sys.stderr, flush=True)
 
     def maybe_fire(self, phase: str, step: int) -> None:
         if self.pending:

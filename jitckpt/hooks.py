@@ -111,7 +111,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_pre_hook(lambda opt, a, k: rt.on_optimizer_pre())
-    register_optimizer_step_post_hook(lambda opt, a, k: rt.on_optimizer_post())
+    register_optimizer_step_post_hook(functools.partial(_after_step, rt))
 
     _hook_ddp_init(rt, DDP)
     orig_backward = torch.autograd.backward
@@ -154,6 +154,12 @@ def install(rt: Runtime, detect: bool = True) -> None:
     sys.excepthook = excepthook
 
 
+def _after_step(rt: Runtime, opt, args, kwargs) -> None:
+    rt.on_optimizer_post()
+    if rt.injector.pending:  # kind=bitflip: silent corruption right after this step
+        rt.injector.maybe_flip(rt.steps_done - 1, opt)
+
+
 def _hook_ddp_init(rt: Runtime, DDP) -> None:
     """Every DDP model gets a forward pre-hook (the minibatch start) and is tracked for migration."""
     if hasattr(DDP.__init__, "__jitckpt_wrapped__"):
@@ -164,9 +170,11 @@ def _hook_ddp_init(rt: Runtime, DDP) -> None:
     def ddp_init(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
+        from . import tracked
         from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
 
         track_ddp(self)
+        tracked.add_model(self)  # the state the replicas compare (verifier.py)
 
     ddp_init.__jitckpt_wrapped__ = orig_init
     DDP.__init__ = ddp_init

@@ -479,6 +479,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
         rt = api._get_runtime()
         rt.on_minibatch_start = session.on_minibatch_start
         _install_step_hook()
+        _track(model, optimizer)
         _session = session
         if session.sharded is not None:
             resume_sharded.after_register(session.sharded, rt, sharded_model)
@@ -490,6 +491,16 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     if session.sharded is not None:
         resume_sharded.after_restore(session.sharded, rt, path)
     return state
+
+
+def _track(model: Any, optimizer: Any) -> None:
+    """The state the replicas compare (verifier.py): an FSDP2 model has no DDP wrapper to be seen by."""
+    from . import tracked
+
+    for m in _as_list(model):
+        tracked.add_model(m)
+    for o in _as_list(optimizer):
+        tracked.add_optimizer(o)
 
 
 def _collect(*, model: Any, optimizer: Any, scheduler: Any, scaler: Any, stateful: dict[str, Any]) -> dict[str, Any]:

@@ -143,7 +143,9 @@ class Runtime:
         self.on_minibatch_start: Callable[[], None] | None = None
         # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
         self.on_snapshot: Callable[..., None] | None = None
+        self.verifier = None  # verifier.Verifier: the replicas' state checks (jitrun only)
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
+        self.loaded_path: str | None = None  # and where it was
         self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)
         self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
@@ -194,9 +196,11 @@ class Runtime:
             self.report("state_divergence", error=str(e))
             print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
             os._exit(_config.EXIT_DIVERGED)
+        # the replicas' states agree (verifier.py), or the job stops here too
+        fp = self.verifier.at_start(loaded) if self.verifier is not None else None
         # also when nothing was asked: the recovery timeline's "training started"
         self.report("loaded", loaded=self.loaded, ranks_asked=sum(v is not None for v in loaded.values()),
-                    query_t=self.query_t)
+                    query_t=self.query_t, fingerprint=fp)
 
     def minibatch_s(self) -> float | None:
         return statistics.median(self._step_times) if self._step_times else None
@@ -224,6 +228,8 @@ class Runtime:
             self._migration_point()
         if self.on_minibatch_start is not None:
             self.on_minibatch_start()
+        if self.verifier is not None:  # before an EC snapshot: it must not stage an unverified state
+            self.verifier.at_minibatch_start(collective)
         if self.on_snapshot is not None and self.phase is Phase.POST:
             self.on_snapshot(collective)
 

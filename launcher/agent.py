@@ -272,7 +272,8 @@ class JitAgent(LocalElasticAgent):
             local_of={w.global_rank: w.local_rank for w in worker_group.workers}, bad_devices=self._devices.bad,
             all_devices=self._devices.names(worker_group), nproc=spec.local_world_size,
             reasons=f.reasons if f else {}, restore_step=f.restore_step if f else None,
-            command=self._jit.command, decision=d if mine else None)
+            command=self._jit.command, decision=d if mine else None,
+            sdc_suspects=sorted(episode.sdc_suspects(f, self._exited)))
         placement = scheduler.place_or_default(self._jit.scheduler, failure, "restarting in place")
         if placement.action == "abort":
             self._events.emit("job_abort", why="scheduler hook answered abort")

@@ -30,6 +30,11 @@ from jitckpt.config import DEFAULT_TIMEOUT_S
 # target (< 2 %) with room for a model whose state is large for its step time; the
 # cost stays 0 for a script without save_fn (nothing to snapshot).
 DEFAULT_EC_EVERY = 100
+# --jit-verify-every when not given: the replicas compare state fingerprints (and stage the verified
+# state) every N minibatches. scripts/bench_verify.py (demo LM, 2 ranks, CPU): one check costs about
+# 0.84 of a step's CPU (fingerprint, store exchange, save_fn into tmpfs; N=1 ran at 1.84x the CPU per
+# step), so 200 keeps it near 0.4 %, under the 0.5 % target; 100 would be ~0.8 % (docs/benchmarks.md).
+DEFAULT_VERIFY_EVERY = 200
 
 
 _DESCRIPTION = """\
@@ -122,6 +127,11 @@ def _add_jit_options(g) -> None:
                         "at most the size of /dev/shm). Checked at start (at most MemAvailable) and at every "
                         "snapshot from the first (2 versions of the node's chunks + staging must fit; else EC "
                         "snapshots are disabled for the job, loudly, and training goes on)")
+    g.add_argument("--jit-verify-every", type=int, default=DEFAULT_VERIFY_EVERY, metavar="N",
+                   help="every N minibatches the data-parallel replicas compare fingerprints of their parameters "
+                        "and optimizer state; on a mismatch the job rolls back to the last verified state (at "
+                        f"most N minibatches redone) and names the odd replica (default {DEFAULT_VERIFY_EVERY}; "
+                        "0 = off; the check after every restore, before the first step, is always on)")
     g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migrate.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
                         "so CRIU can move it to another node (jitrun migrate) and, with the shim preloaded, "
@@ -228,6 +238,8 @@ def check_args(args) -> str | None:
                _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
            or _check_ec(args)
+           or (f"--jit-verify-every {args.jit_verify_every}: expected a number of minibatches >= 0 (0 = off)"
+               if getattr(args, "jit_verify_every", 0) < 0 else None)
            or _check_program(args)
            or _check_token(args))
     if err:
@@ -389,6 +401,7 @@ def _tell_workers(args, root: Path, job_id: str, timeout: float) -> None:
     # EC snapshots: workers read these; 0 = off, nothing of it runs
     contract.EC_EVERY.set(getattr(args, "jit_ec_every", 0))
     contract.EC_CODE.set(getattr(args, "jit_ec_code", "auto"))
+    contract.VERIFY_EVERY.set(getattr(args, "jit_verify_every", 0))
     if getattr(args, "jit_ec_every", 0):
         cap, how = args.ec_cap  # resolved by check_args
         contract.EC_MAX_MEM.set(cap)

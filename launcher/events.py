@@ -12,7 +12,13 @@ checkpoint_load, first_minibatch seconds, consecutive), job_end; and for the
 job-wide path: rendezvous (round, group rank, this node's ranks),
 restore_decision (the job's step, the nodes holding it, lost nodes),
 replica_fetched / replica_fetch_failed (peer transfer), loaded (the step a
-rank actually loaded), state_divergence, spare_waiting.
+rank actually loaded, and the state digest its replicas verified:
+``fingerprint``), state_divergence, spare_waiting. The replicas' state checks
+(jitckpt/verifier.py): state_mismatch (replicas hold different states: after a
+restore, refused; during training, rolled back), sdc_suspect (the rank outside
+the majority), state_repaired (taken from the majority in place), verify_off
+(replicas that differ by nature: checks off for the job). A ``recovery``
+record also carries ``fingerprint``: shard -> the digest its replicas agreed on.
 
 Every record written by an agent names its ``node``; each node writes its own
 ranks' reports only, and ``jitrun events DIR...`` merges several nodes' logs
@@ -56,7 +62,8 @@ def summary(events: list[dict]) -> str:
         if e["event"] in ("fault_injected", "failure_detected", "checkpoint_saved", "checkpoint_failed",
                           "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
                           "restore_decision", "replica_fetched", "replica_fetch_failed", "state_divergence",
-                          "spare_waiting", "job_abort"):
+                          "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect", "state_repaired",
+                          "verify_off"):
             detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error", "node")}
             where = f"[{e['node']}] " if multi and e.get("node") else ""
             lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")

@@ -101,6 +101,9 @@ def main() -> None:
                     help="with --resumable: read batches through a shuffling DataLoader with this many workers "
                          "(epochs of --epoch-batches minibatches) instead of generating batch i from (seed, i)")
     ap.add_argument("--epoch-batches", type=int, default=5)
+    ap.add_argument("--rank-drift", action="store_true",
+                    help="tests: after every optimizer step each rank nudges one weight by a rank-dependent "
+                         "amount, as replicas with nondeterministic kernels drift apart")
     ap.add_argument("--init-log", default=None,
                     help="append 'rank pid' to this file once the set-up ran (how often initialisation ran)")
     args = ap.parse_args()
@@ -165,6 +168,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if args.rank_drift:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0].add_(1e-6 * rank)
         sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)

@@ -115,7 +115,11 @@ class Job:
 
     def events(self) -> list[dict]:
         p = self.jit_dir / "events.jsonl"
-        return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        evs = [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+        for e in evs:
+            if e["event"] == "recovery":
+                assert_verified_fingerprint(e)
+        return evs
 
     def of(self, name: str) -> list[dict]:
         return [e for e in self.events() if e["event"] == name]
@@ -192,6 +196,14 @@ def reference(tmp_path_factory):
         return cache[(nproc, steps)]
 
     return get
+
+
+def assert_verified_fingerprint(rec: dict) -> None:
+    """A ``recovery`` record carries the state digest (per shard) the replicas verified against
+    each other after the restore, before the first training step (jitckpt/verifier.py)."""
+    fp = rec.get("fingerprint")
+    assert isinstance(fp, dict) and fp, f"recovery record without a verified state fingerprint: {rec}"
+    assert all(isinstance(v, str) and len(v) == 32 and int(v, 16) >= 0 for v in fp.values()), rec
 
 
 def assert_same_state(a: Path, b: Path) -> None:

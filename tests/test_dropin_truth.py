@@ -17,7 +17,7 @@ import json
 import sys
 import textwrap
 
-from conftest import TRAIN, jitrun, run_tree
+from conftest import TRAIN, assert_verified_fingerprint, jitrun, run_tree
 
 DROPIN = textwrap.dedent("""
     # a plain DDP script with its own periodic checkpoint and no jitckpt code
@@ -63,6 +63,7 @@ def test_dropin_script_restarts_on_its_own_checkpoints(tmp_path):
     assert "own checkpoint at step 8" in cp.stdout
     evs = _events(jit)
     (rec,) = [e for e in evs if e["event"] == "recovery"]
+    assert_verified_fingerprint(rec)
     assert rec["redone_minibatches"] is None and rec["restore_step"] is None, rec
     assert rec["checkpoint_s"] is None, rec  # nothing was saved
     assert "checkpoint" not in rec["stages"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import test_multinode
-from conftest import assert_same_state, jitrun
+from conftest import assert_same_state, assert_verified_fingerprint, jitrun
 from netns import Cluster
 from test_multinode import Job
 
@@ -39,6 +39,7 @@ def _check_ec_recovery(evs: list[dict], out: str) -> dict:
     assert restored and {e["step"] for e in restored} == {8}, out[-4000:]
     rec = [e for e in evs if e["event"] == "recovery"]
     assert len(rec) == 1 and rec[0]["restore_step"] == 8, rec
+    assert_verified_fingerprint(rec[0])
     assert KILL_AT + 1 - rec[0]["restore_step"] <= EVERY  # at most N minibatches redone
     return src[0]
 
@@ -74,6 +75,7 @@ def test_default_interval_recovers_a_whole_job_crash(tmp_path, reference):
     assert src and all(e["source"] == "ec" and e["step"] == DEFAULT_EC_EVERY for e in src), (src, job.output[-4000:])
     rec = [e for e in evs if e["event"] == "recovery"]
     assert len(rec) == 1 and rec[0]["restore_step"] == DEFAULT_EC_EVERY, rec
+    assert_verified_fingerprint(rec[0])
     assert f"restoring from the erasure-coded snapshot of step {DEFAULT_EC_EVERY}" in job.output
     assert_same_state(reference(2, steps), job.out)
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_state, run_reference, run_tree
+from conftest import assert_same_state, assert_verified_fingerprint, run_reference, run_tree
 
 SCRIPT = Path(__file__).with_name("fault_train.py")
 STEPS = 18  # 3 epochs x 6 minibatches with 2 ranks
@@ -50,6 +50,8 @@ def _check(code: int, out_text: str, evs: list[dict], out: Path, ref: Path, fail
     assert code == 0, out_text[-5000:]
     assert_same_state(ref, out)
     recs = [e for e in evs if e["event"] == "recovery"]
+    for r in recs:
+        assert_verified_fingerprint(r)
     done = [e for e in evs if e["event"] == "finished_despite_failure"]
     assert len(recs) + len(done) == failures, (recs, done, out_text[-3000:])
     resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", out_text)]
@@ -99,6 +101,7 @@ def test_both_ranks_killed_at_once_says_what_it_knows(tmp_path, ref):
     assert code == 0, text[-4000:]
     assert_same_state(ref, out)
     second = [e for e in evs if e["event"] == "recovery"][-1]
+    assert_verified_fingerprint(second)
     assert second["restore_step"] == 3, second
     assert second["redone_minibatches"] == 7 and second["progress_step"] == 9, second  # 9 + 1 - 3
 
@@ -136,4 +139,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_newest_valid(tmp_path, ref):
     assert "no valid replica of the chosen step 10" in text and "falling back to step 3" in text
     fallbacks = [e for e in evs if e["event"] == "restore_fallback"]
     assert fallbacks and all(e["chosen"] == 10 and e["used"] == 3 for e in fallbacks), fallbacks
-    assert [e["restore_step"] for e in evs if e["event"] == "recovery"] == [3, 3]
+    recs = [e for e in evs if e["event"] == "recovery"]
+    assert [e["restore_step"] for e in recs] == [3, 3]
+    for r in recs:
+        assert_verified_fingerprint(r)

@@ -184,3 +184,63 @@ def test_hang_holding_gil_ignores_sigterm():
         p.stdout.close()
         p.stderr.close()
     assert p.returncode == -signal.SIGKILL
+
+
+# --- bitflip: silent corruption of the state ----------------------------------------------
+
+
+def test_parse_bitflip_defaults_to_the_optimizer_phase():
+    (f,) = faults.parse("rank=2,step=43,kind=bitflip")
+    assert (f.rank, f.step, f.phase, f.kind, f.target, f.bit) == (2, 43, "optimizer", "bitflip", "param", 20)
+    (g,) = faults.parse("rank=0,step=1,kind=bitflip,target=optim,bit=3")
+    assert (g.target, g.bit) == ("optim", 3)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("rank=1,kind=bitflip,phase=forward", "kind=bitflip fires after an optimizer step"),
+    ("rank=1,kind=bitflip,target=grads", "target 'grads' not one of"),
+    ("rank=1,kind=exit,phase=forward,target=param", "go with kind=bitflip only"),
+    ("rank=1,kind=bitflip,bit=x", "bit='x'"),
+    ("rank=1,kind=swap,phase=forward", "kind=stale or swap goes with phase=restore"),
+])
+def test_parse_bitflip_errors(spec, needle):
+    with pytest.raises(ValueError, match="JITCKPT_FAULT") as ei:
+        faults.parse(spec)
+    assert needle in str(ei.value)
+
+
+def _adam():
+    import torch
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return lin, opt
+
+
+@pytest.mark.parametrize("target", ["param", "optim"])
+def test_flip_bit_changes_exactly_one_bit(target):
+    import torch
+
+    lin, opt = _adam()
+    t = lin.weight if target == "param" else opt.state[lin.weight]["exp_avg"]
+    before = t.detach().clone()
+    what = faults.flip_bit(opt, target, 20)
+    assert ("exp_avg" in what) == (target == "optim")
+    diff = before.view(-1).view(torch.uint8) ^ t.detach().view(-1).view(torch.uint8)
+    assert [int(x) for x in diff.nonzero().view(-1)] == [2] and int(diff[2]) == 1 << 4
+
+
+def test_maybe_flip_fires_once_after_its_step_and_never_at_a_phase():
+    lin, opt = _adam()
+    seen: list[Fault] = []
+    inj = Injector("rank=0,step=3,kind=bitflip", rank=0, attempt=0, announce=seen.append)
+    assert inj.armed("optimizer", 3) is None  # not a fault the phase hooks execute
+    before = lin.weight.detach().clone()
+    inj.maybe_flip(2, opt)
+    assert seen == [] and bool((lin.weight == before).all())
+    inj.maybe_flip(3, opt)
+    inj.maybe_flip(3, opt)
+    assert len(seen) == 1 and int((lin.weight != before).sum()) == 1

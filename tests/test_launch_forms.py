@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TRAIN, assert_same_state, run_tree
+from conftest import ROOT, TRAIN, assert_same_state, assert_verified_fingerprint, run_tree
 
 STEPS = 18
 FAULTS = ";".join([
@@ -93,6 +93,7 @@ def test_launch_form_recovers(form: str, tmp_path: Path, reference) -> None:
     assert len(recs) == 3, (recs, log)
     for r in recs:
         assert r["redone_minibatches"] is not None and r["redone_minibatches"] <= 1, r
+        assert_verified_fingerprint(r)
     assert not [e for e in evs if e["event"] in ("no_jit_checkpoint", "state_divergence", "job_abort")], log
     assert_same_state(reference(2, STEPS), out)
 

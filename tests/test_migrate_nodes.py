@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_state
+from conftest import assert_same_state, assert_verified_fingerprint
 from jitrun import criu
 from netns import Cluster, Proc
 from test_multinode import Job, mn_reference  # noqa: F401  (the fixture)
@@ -152,6 +152,7 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
         assert failed[0]["stage"] == want, failed
         recs = [e for e in evs if e["event"] == "recovery"]
         assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, (recs, job.logs())
+        assert_verified_fingerprint(recs[0])
         assert not [e for e in evs if e["event"] == "migration_restored"]
 
 

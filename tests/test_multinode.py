@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN, assert_same_state
+from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
 from netns import Cluster, Node, Proc
 
 WHY = Cluster.unavailable()
@@ -117,6 +117,7 @@ class Job:
             pytest.fail(f"{len(recs)} recovery events, expected {failures}: {recs}\n{self.logs()}")
         for r in recs:
             assert r["redone_minibatches"] is not None and r["redone_minibatches"] <= 1, r
+            assert_verified_fingerprint(r)
         loaded = [e for e in evs if e["event"] == "loaded"]
         # every rank of the last attempt reported the step it loaded: the same one
         last = max((e for e in evs if e["event"] == "rendezvous"), key=lambda e: e["round"])["round"]

@@ -16,7 +16,7 @@ def describe(job_id: str, node, **fields: Any) -> dict:
 
 def restart(job_id: str, node, *, restart_count: int, failed_ranks: list[int], local_of: dict[int, int],
             bad_devices: set[str], all_devices: list[str], nproc: int, reasons: dict, restore_step: int | None,
-            command: list[str], decision=None) -> dict:
+            command: list[str], decision=None, sdc_suspects: list[int] = ()) -> dict:
     """A restart after a failure. ``decision``: the job-wide one when this
     agent made it; job-wide facts (lost nodes, the job's hosts) go to one
     agent's hook only (one drain, one replacement)."""
@@ -30,7 +30,7 @@ def restart(job_id: str, node, *, restart_count: int, failed_ranks: list[int], l
     out = describe(job_id, node, restart_count=restart_count, failed_ranks=failed_ranks,
                    failed_devices=failed_devices, nproc_per_node=nproc, reasons={str(k): v for k, v in reasons.items()},
                    restore_step=restore_step, devices=devices, failed_hosts=[node.host] if failed_ranks else [],
-                   lost_nodes=[], command=command)
+                   lost_nodes=[], command=command, sdc_suspects=sorted(sdc_suspects))
     if decision is not None:
         out["lost_nodes"] = decision.lost
         out["hosts"] = sorted({n["host"] for n in decision.nodes if n not in decision.lost})

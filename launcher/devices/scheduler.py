@@ -7,7 +7,9 @@ placement from its stdout::
 
     in : {"job_id", "restart_count", "failed_ranks": [...], "failed_devices": [...],
           "nproc_per_node", "reasons": {rank: why}, "restore_step", "hosts": [...],
-          "devices": "0,1,..." (CUDA_VISIBLE_DEVICES) | null}
+          "devices": "0,1,..." (CUDA_VISIBLE_DEVICES) | null,
+          "sdc_suspects": [...] (ranks whose state differed from their replicas' majority;
+          also in failed_ranks, their devices in failed_devices)}
     out: {"action": "restart" | "abort", "env": {NAME: VALUE, ...},
           "visible_devices": "0,2" (optional, becomes CUDA_VISIBLE_DEVICES)}
 

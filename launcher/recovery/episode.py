@@ -49,9 +49,9 @@ class Failure:
         self.diverged = False  # ranks loaded different states: never train on
 
 
-DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps (see the workers' 'state "
-            "divergence' lines); no training step was taken and the job is not restarted. Check that every node "
-            "sees the same jit dir contents or can reach the others.")
+DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
+            "'REFUSING TO TRAIN' lines); no training step was taken and the job is not restarted. Check that every "
+            "node sees the same jit dir contents or can reach the others.")
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
 SAVE_GRACE_S = 1.0  # another replica of a complete step mid-save: not needed, not waited for longer
 EXIT_GRACE_S = 2.0  # savers that published exit on their own within this
@@ -197,7 +197,15 @@ def culprits(codes: dict[int, int | None], life: dict[int, tuple[float, float]])
 def failed_ranks(f: Failure | None, exited: dict[int, int]) -> list[int]:
     """This node's ranks that failed (not the ones that saved and exited 75)."""
     killed, saved = (set(f.killed), set(f.saved)) if f else (set(), set())
-    return sorted(({r for r, c in exited.items() if c not in (0, EXIT_SAVED)} | killed) - saved)
+    failed = ({r for r, c in exited.items() if c not in (0, EXIT_SAVED)} | killed) - saved
+    # a replica whose state differed from the majority's (jitckpt/verifier.py) saved the verified
+    # state like the others, but its device is suspect: the scheduler hook sees it as failed
+    return sorted(failed | sdc_suspects(f, exited))
+
+
+def sdc_suspects(f: Failure | None, exited: dict[int, int]) -> set[int]:
+    """This node's ranks named as the odd one out of a replica state check."""
+    return {r for r, why in (f.reasons if f else {}).items() if why == "sdc_suspect" and r in exited}
 
 
 def torchrun_failures(procs: dict[int, Proc], local_of: dict[int, int], error_files: dict,

@@ -40,7 +40,21 @@ def recovery_record(f: Failure, book: ReportBook, resumed_t: float) -> dict:
                                if f.progress >= 0 and restore is not None else None),
         "minibatch_s": statistics.median(f.minibatch_s) if f.minibatch_s else None,
         "stages": _stages(f, book, failure_t, resumed_t),
+        "fingerprint": verified_fingerprint(book),
     }
+
+
+def verified_fingerprint(book: ReportBook) -> dict[str, str] | None:
+    """Shard -> the state digest its replicas verified before the first step (jitckpt/verifier.py);
+    None when a rank reported none (checks off for the job, or a report lost)."""
+    if not book.fingerprint or any(not isinstance(v, str) for v in book.fingerprint.values()):
+        return None
+    out: dict[str, str] = {}
+    for r, fp in sorted(book.fingerprint.items()):
+        shard = book.shards.get(r, "0")
+        if out.setdefault(shard, fp) != fp:
+            return None  # replicas that disagree never reach training: a report of another round
+    return out
 
 
 def _stages(f: Failure, book: ReportBook, failure_t: float, resumed_t: float) -> dict[str, float]:

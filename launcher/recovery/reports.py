@@ -26,6 +26,7 @@ class ReportBook:
         # sign of life, the failure time when no injector stamped it
         self.life: dict[int, tuple[float, float]] = {}
         self.loaded: dict[int, object] = {}  # rank -> step it loaded, this round
+        self.fingerprint: dict[int, object] = {}  # rank -> its state digest the replicas verified, this round
         # this round's start-up milestones per rank: process created,
         # get_checkpoint_path() asked, first training step entered
         self.boot: dict[int, float] = {}
@@ -36,7 +37,7 @@ class ReportBook:
     def new_round(self, round_: int, local_ranks: set[int]) -> None:
         self.round = round_
         self.local_ranks = set(local_ranks)
-        for d in (self.loaded, self.life, self.boot, self.query, self.train):
+        for d in (self.loaded, self.fingerprint, self.life, self.boot, self.query, self.train):
             d.clear()
 
     def of_this_round(self, m: dict) -> bool:
@@ -68,12 +69,15 @@ class ReportBook:
             self.finished.add(rank)
             if m.get("loaded") is not None and self.loaded.get(rank) is None and current:
                 self.loaded[rank] = m["loaded"]
+            if m.get("fingerprint") is not None and current:
+                self.fingerprint.setdefault(rank, m["fingerprint"])
             if current:
                 # restored after the last minibatch (e.g. a save at a barrier
                 # after the loop): the job ends without another minibatch
                 on_resumed(m)
         if ev == "loaded":
             self.loaded[rank] = m.get("loaded")
+            self.fingerprint[rank] = m.get("fingerprint")
             self.train[rank] = m["t"]
             if m.get("query_t"):
                 self.query[rank] = m["query_t"]
@@ -109,6 +113,8 @@ class ReportBook:
         if ev == "failure_detected":
             f.detected_t = min(f.detected_t, m["t"])
             f.reasons.setdefault(rank, m.get("reason", "?"))
+            if m.get("reason") == "sdc_suspect":  # outranks the SIGTERM the episode may have sent it first
+                f.reasons[rank] = "sdc_suspect"
         elif ev == "save_started":
             f.saving.add(rank)
         elif ev == "checkpoint_saved":

@@ -1,0 +1,62 @@
+"""The models and optimizers of this process, in the order they were made.
+
+The runtime learns them without the user's help: every DDP model (hooks.py
+wraps ``DistributedDataParallel.__init__``), every ``torch.optim.Optimizer``
+(its ``__init__`` is wrapped at install time) and what ``jitckpt.resumable``
+is handed (an FSDP2 model has no DDP wrapper). Weak references only: tracking
+never keeps a model alive. The state fingerprint (fingerprint.py) walks them
+in this order, the same on every replica.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+_models: list[weakref.ref] = []
+_optimizers: list[weakref.ref] = []
+
+
+def _add(refs: list[weakref.ref], obj: Any) -> None:
+    if any(r() is obj for r in refs):
+        return
+    refs.append(weakref.ref(obj))
+
+
+def add_model(model: Any) -> None:
+    _add(_models, model)
+
+
+def add_optimizer(opt: Any) -> None:
+    _add(_optimizers, opt)
+
+
+def models() -> list[Any]:
+    return [m for m in (r() for r in _models) if m is not None]
+
+
+def optimizers() -> list[Any]:
+    return [o for o in (r() for r in _optimizers) if o is not None]
+
+
+def track_optimizers() -> None:
+    """Wrap ``Optimizer.__init__`` (subclasses call it through ``super()``) once."""
+    from torch.optim import Optimizer
+
+    orig = Optimizer.__init__
+    if hasattr(orig, "__jitckpt_wrapped__"):
+        return
+
+    @functools.wraps(orig)
+    def init(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        add_optimizer(self)
+
+    init.__jitckpt_wrapped__ = orig
+    Optimizer.__init__ = init
+
+
+def _reset_for_tests() -> None:
+    _models.clear()
+    _optimizers.clear()
