@@ -170,7 +170,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     if not hasattr(dist.Work.wait, "__jitckpt_wrapped__"):
         dist.Work.wait = _wait_guard(rt, dist.Work.wait)
 
-    pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded(), fixed=contract.TIMEOUT_FIXED.get())
+    pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded(), fixed=rt.waits is None)
     rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
 
     prev_hook = sys.excepthook

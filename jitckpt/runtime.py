@@ -162,7 +162,8 @@ class Runtime:
         from .report import Reporter, connect
 
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
-        if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get():
+        # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
+        if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
             from .collective_waits import Waits
 
             self.waits = Waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())

@@ -77,7 +77,8 @@ class JitAgent(LocalElasticAgent):
         self._where = Whereabouts()
         self._book = ReportBook(events)
         self._detector = Detector(self._book, events)
-        self._hang = HangWatch(jit.root, events, ceiling_s=jit.timeout_s, enabled=not jit.timeout_fixed)
+        self._hang = HangWatch(jit.root, events, ceiling_s=jit.timeout_s,
+                               enabled=not jit.timeout_fixed and not migrate.enabled())
         self._restorer = Restorer(jit, self._node, events, self._env_keys)
         self._devices = DeviceWatch(jit, self._node, events, self._wakeup.poke, self._where, self._env_keys)
         handler = spec.rdzv_handler

@@ -141,7 +141,7 @@ def test_verdicts(tmp_path):
     assert stuck.kind == "hang" and "stuck in collective #9" in stuck.hung[1]
     # every rank in the same collective past its bound, nobody computing: lost
     lost = verdict(Facts(_st(tmp_path, 1, seq=10, waiting=1.4), "running", False))
-    assert lost.kind == "stretch"  # rank 1 is not suspicious yet (only rank 0 was named)
+    assert lost.kind == "wait"  # rank 1 is not past its bound yet: look again next tick
     both = assess({0: waiter, 1: Facts(_st(tmp_path, 1, seq=10, waiting=1.4), "running", False)}, [0, 1], now,
                   world_size=2, ceiling_s=120.0)
     assert both.kind == "lost" and not both.hung and not both.lagging

@@ -98,6 +98,22 @@ def test_gil_hang_detected_without_timeout(tmp_path, reference):
     assert "no heartbeat" in d["evidence"]["1"]
 
 
+def test_lost_collective_detected_without_timeout(tmp_path, reference):
+    """Every rank waits in a collective nobody completes, none computing: no
+    rank is to blame, none is killed; every rank is asked to save (from its
+    watcher thread, the main thread still blocked) and exits 75."""
+    lose = "rank={},step=20,phase=forward,kind=lose"
+    job = jitrun(tmp_path, steps=STEPS, timeout_s=None, train_args=BUSY, env=ENV,
+                 fault=f"{lose.format(0)};{lose.format(1)}")
+    assert job.returncode == 0, job.output[-4000:]
+    det = job.of("hang_detected")
+    assert len(det) == 1 and det[0]["kind"] == "lost" and not det[0]["hung"] and not det[0]["lagging"], det
+    assert _workers_exit(job) == {0: [75], 1: [75]}, _workers_exit(job)
+    recs = job.of("recovery")
+    assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, recs
+    assert_same_state(reference(2, STEPS), job.out)
+
+
 def test_fixed_timeout_keeps_the_old_rule(tmp_path, reference):
     """--jit-timeout fixed:S: no learning, no hang watch; the process group
     timeout ends the hang after S seconds, as before."""

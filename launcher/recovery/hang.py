@@ -19,9 +19,11 @@ suspicion; the agent then looks at the ranks where they live:
 * a wait past the ceiling (``--jit-timeout``) with no announced delay is a
   hang whatever the laggards do.
 
-A hung rank is SIGKILLed: its peers' collectives fail at once and the kill
-path runs (JIT save on the healthy ranks, restart, restore). A lost
-collective starts the episode directly (every rank is asked to save).
+A confirmed hang starts the failure episode (episode.py) at once, the path
+of any failure: every live rank is asked to save (a healthy rank saves from
+its watcher thread while its main thread still waits), and what does not
+answer, the stopped or deaf rank, is SIGKILLed as soon as a replica of every
+shard is saved. For a lost collective no rank is to blame: every rank saves.
 
 A laggard on another node is not visible here: the agent posts the
 suspicion once per bound as a sealed report (the reports every agent already
@@ -33,7 +35,6 @@ ended by the ceiling, or by the process groups' backstop timeout
 
 from __future__ import annotations
 
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -63,7 +64,7 @@ class Facts:
 
 @dataclass
 class Verdict:
-    kind: str  # "stretch" | "hang" | "lost" | "remote"
+    kind: str  # "stretch" | "wait" | "hang" | "lost" | "remote"
     waiting: dict[int, float]  # the suspicious waiters: rank -> seconds waited
     bound_s: float
     seq: int  # the collective they wait in
@@ -123,8 +124,10 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
         v.kind = "stretch"  # alive and busy elsewhere, or said so
     elif len(facts) < world_size:
         v.kind = "remote"  # the laggard is on another node
-    elif any(f.cpu_busy for f in facts.values()) or set(suspicious) != set(facts):
-        v.kind = "stretch"  # someone still computes inside the collective's region, or is within its bound
+    elif any(f.cpu_busy for f in facts.values()):
+        v.kind = "stretch"  # someone still computes inside the collective's region
+    elif set(suspicious) != set(facts):
+        v.kind = "wait"  # a peer in the same collective is still within its bound: look again next tick
     else:
         v.kind, v.why = "lost", f"every rank waits in collective #{seq} past its bound, none computing"
     return v
@@ -209,7 +212,7 @@ class HangWatch:
     def tick(self, procs: dict[int, Proc], pids: dict[int, int], cpu: dict[int, float | None],
              suspects: list[dict] = ()) -> dict[int, str] | None:
         """None, or a confirmed hang: rank -> why (empty for a lost collective,
-        where no rank is to blame). A hung rank is killed here. ``suspects``:
+        where no rank is to blame), for the episode to end. ``suspects``:
         other nodes' suspicions read this tick (their laggard may be here)."""
         if not self.enabled or not self._readers:
             return None
@@ -222,8 +225,10 @@ class HangWatch:
         facts = {r: Facts(st.get(r), _state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now))
                  for r in procs if r in self._readers}
         if not sus:
-            return self._answer(suspects, facts, procs, now)
+            return self._answer(suspects, facts, now)
         v = assess(facts, sus, now, world_size=self._world, ceiling_s=self.ceiling_s)
+        if v.kind == "wait":
+            return None
         if v.kind in ("stretch", "remote"):
             self._stretch(v, st, sus, now)
             if v.kind == "remote" and self.post is not None:
@@ -233,11 +238,10 @@ class HangWatch:
                 except Exception as e:  # the store is going away with the job: the backstop still holds
                     print(f"jitrun: could not tell the other nodes of a suspected hang: {e}", flush=True)
             return None
-        self._confirm(v, procs)
+        self._confirm(v)
         return dict(v.hung)
 
-    def _answer(self, suspects: list[dict], facts: dict[int, Facts], procs: dict[int, Proc], now: float
-                ) -> dict[int, str] | None:
+    def _answer(self, suspects: list[dict], facts: dict[int, Facts], now: float) -> dict[int, str] | None:
         """Another node's ranks wait past their bound for a rank elsewhere: is
         one of this node's stopped or deaf? (Only on such a suspicion: no
         store traffic otherwise.)"""
@@ -256,7 +260,7 @@ class HangWatch:
         if not v.hung:
             return None
         v.why = f"suspected by node {m.get('node')}"
-        self._confirm(v, procs)
+        self._confirm(v)
         return dict(v.hung)
 
     def _stretch(self, v: Verdict, st: dict[int, Status], sus: list[int], now: float) -> None:
@@ -272,7 +276,7 @@ class HangWatch:
                               lagging=v.lagging, evidence={str(r): e for r, e in v.evidence.items()},
                               remote=v.kind == "remote")
 
-    def _confirm(self, v: Verdict, procs: dict[int, Proc]) -> None:
+    def _confirm(self, v: Verdict) -> None:
         self._events.emit("hang_detected", kind=v.kind, waiting=v.waiting, bound_s=round(v.bound_s, 3), seq=v.seq,
                           ceiling_s=self.ceiling_s, lagging=v.lagging, hung={str(r): w for r, w in v.hung.items()},
                           evidence={str(r): e for r, e in v.evidence.items()}, why=v.why)
@@ -281,12 +285,10 @@ class HangWatch:
             who = "; ".join(f"rank {r}: {v.evidence[r] if w in ('stopped', 'deaf') else w}"
                             for r, w in sorted(v.hung.items()))
             print(f"jitrun: hang confirmed in collective #{v.seq} (waited: {waited}; bound {v.bound_s:.2f} s): "
-                  f"{who}; killing rank(s) {sorted(v.hung)}", flush=True)
+                  f"{who}; the healthy ranks save, rank(s) {sorted(v.hung)} are ended", flush=True)
         else:
             print(f"jitrun: hang confirmed: {v.why} (waited: {waited}; bound {v.bound_s:.2f} s); "
                   "asking every rank to save", flush=True)
-        for r in v.hung:
-            procs[r].signal(signal.SIGKILL)
 
     def learned(self) -> dict[str, dict]:
         """Each rank's bound as last read, for the timeline."""
