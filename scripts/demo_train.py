@@ -80,6 +80,9 @@ class Timing:
         self.factor = args.straggle[1] if args.straggle and args.straggle[0] == rank else 1.0
         self.delays = [d for d in args.delay if d["rank"] == rank]
         self.x = batch(args.seed, 0, rank, args.batch, args.seq, args.vocab)[0]
+        for d in self.delays:
+            if d["kind"] == "compile":  # inside the first forward, as torch.compile's work is
+                self._compile = model.register_forward_pre_hook(lambda mod, inp, s=d["seconds"]: self._busy(s))
 
     @staticmethod
     def parse(text: str) -> dict:
@@ -99,13 +102,15 @@ class Timing:
     def _due(self, d: dict, step: int) -> bool:
         return (step + 1) % d["every"] == 0 if d["every"] else step == d["step"]
 
-    def before_forward(self, step: int, first: bool) -> None:
+    def _busy(self, seconds: float) -> None:
+        self._compile.remove()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # Python-heavy CPU work, as a compiler's
+            sum(i * i for i in range(2000))
+
+    def before_forward(self, step: int) -> None:
         for d in self.delays:
-            if d["kind"] == "compile" and first:
-                end = time.monotonic() + d["seconds"]
-                while time.monotonic() < end:  # Python-heavy CPU work, as a compiler's
-                    sum(i * i for i in range(2000))
-            elif d["kind"] == "loader" and self._due(d, step):
+            if d["kind"] == "loader" and self._due(d, step):
                 time.sleep(d["seconds"])  # the main thread waits for a batch
 
     def after_step(self, step: int) -> None:
@@ -165,7 +170,7 @@ def main() -> None:
                     metavar="rank=R,seconds=T,kind=K[,step=S|,every=N]",
                     help="rank R is slow for T seconds at step S (or after every N-th step): kind eval (an "
                          "evaluation after the step, CPU busy), save (its own checkpoint after the step, idle), "
-                         "compile (before its first forward, CPU busy), loader (a data stall before the forward)")
+                         "compile (inside its first forward, CPU busy), loader (a data stall before the forward)")
     ap.add_argument("--final-barrier", action="store_true", help="a dist.barrier() after the training loop")
     ap.add_argument("--save-sleep", type=float, default=0.0, help="extra seconds inside save_fn (a slow save)")
     ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
@@ -239,7 +244,7 @@ def main() -> None:
     for step in range(start, args.steps):
         cursor["step"], cursor["rng"] = step, torch.get_rng_state()
         x, y = batch(args.seed, step, rank, args.batch, args.seq, args.vocab)
-        timing.before_forward(step, first=step == start)
+        timing.before_forward(step)
         logits = ddp(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
         opt.zero_grad(set_to_none=True)

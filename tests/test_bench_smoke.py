@@ -464,3 +464,19 @@ def test_bench_recovery_dispatches_multinode(monkeypatch):
     monkeypatch.setattr(bm, "main", lambda argv: seen.append(argv) or 0)
     assert br.main(["--multinode", "--quick", "--json", ""]) == 0
     assert seen == [["--quick", "--json", ""]]
+
+
+# -- bench_detection ----------------------------------------------------------------
+
+
+def test_detection_table_medians_and_ratio():
+    import bench_detection as bd
+
+    def row(mode: str, detect: float, resumed: float) -> dict:
+        return {"fault": "sigstop", "minibatch_s": 0.1, "mode": mode, "exit": 0, "detect_s": detect,
+                "resumed_s": resumed, "redone": 1, "bound_s": 1.0, "identical": True}
+
+    rows = [row("learned", d, d + 0.5) for d in (1.1, 1.0, 1.3)] + [row("fixed:120", 120.2, 121.0)]
+    text = bd.table(rows)
+    assert "sigstop         0.1    learned  3       1.1        1.6" in text, text
+    assert "fault -> resumed 121.0 s fixed vs 1.6 s learned (76x)" in text, text

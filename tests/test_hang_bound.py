@@ -133,6 +133,8 @@ def test_verdicts(tmp_path):
     assert stopped.kind == "hang" and stopped.hung == {1: "stopped"} and stopped.lagging == [1]
     deaf = verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", False))
     assert deaf.kind == "hang" and deaf.hung == {1: "deaf"}
+    # silent but a thread waits for a CPU (a loaded machine): alive
+    assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", False, runnable=True)).kind == "stretch"
     # deaf but computing (one long C call): alive; beating but idle (a data loader, a save): alive
     assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", True)).kind == "stretch"
     assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=0.05), "running", False)).kind == "stretch"

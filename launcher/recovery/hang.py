@@ -35,6 +35,7 @@ ended by the ceiling, or by the process groups' backstop timeout
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from jitckpt.rank_status import Status, StatusReader
 if TYPE_CHECKING:
     from ..workers import Proc
 
-STALE_S = 0.5  # no heartbeat for this long (the watcher beats every 0.1 s): deaf
+STALE_S = 0.5  # no heartbeat for this long (the watcher beats every 0.1 s), nothing runnable: deaf
 BUSY_CPU_S = 0.05  # CPU seconds within STALE_S that count as computing
 
 
@@ -60,6 +61,7 @@ class Facts:
     status: Status | None
     state: str  # "running" | "stopped" | "dead"
     cpu_busy: bool
+    runnable: bool = False  # a thread of it waits for a CPU: starved by the machine's load, not hung
 
 
 @dataclass
@@ -86,10 +88,12 @@ def liveness(f: Facts, now: float) -> tuple[str, str]:
     if s.delay_until > now:
         return "declared", f"announced delay (jitckpt.expect_delay), {s.delay_until - now:.1f} s left"
     age = now - s.heartbeat
-    if age > STALE_S and not f.cpu_busy:
-        return "deaf", f"no heartbeat for {age:.2f} s and no CPU: holds the GIL and never lets go"
+    if age > STALE_S and not f.cpu_busy and not f.runnable:
+        return "deaf", f"no heartbeat for {age:.2f} s, no CPU, no thread runnable: holds the GIL and never lets go"
     if f.cpu_busy:
         return "alive", "computing (CPU advancing)"
+    if age > STALE_S:
+        return "alive", f"no heartbeat for {age:.2f} s but a thread is runnable (the machine is loaded)"
     return "alive", f"heartbeat {age:.2f} s ago, idle outside collectives"
 
 
@@ -133,6 +137,22 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
     return v
 
 
+def _runnable(pid: int) -> bool:
+    """Whether a thread of ``pid`` is in state R (running or waiting for a CPU)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "R":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
 def _state(pid: int) -> str:
     try:
         s = psutil.Process(pid).status()
@@ -158,6 +178,7 @@ class HangWatch:
         self.last: dict[int, Status] = {}  # each rank's newest record of this round
         # sends a suspicion to the other nodes' agents (a sealed report), when the laggard is not here
         self.post: Callable[[dict], None] | None = None
+        self._post_at = 0.0
 
     def new_round(self, round_: int, local_ranks: set[int], world_size: int) -> None:
         for rd in self._readers.values():
@@ -222,7 +243,8 @@ class HangWatch:
         sus = self._suspicious(st, now)
         if not sus and not suspects:
             return None
-        facts = {r: Facts(st.get(r), _state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now))
+        facts = {r: Facts(st.get(r), _state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now),
+                          bool(pids.get(r)) and _runnable(pids[r]))
                  for r in procs if r in self._readers}
         if not sus:
             return self._answer(suspects, facts, now)
@@ -231,7 +253,8 @@ class HangWatch:
             return None
         if v.kind in ("stretch", "remote"):
             self._stretch(v, st, sus, now)
-            if v.kind == "remote" and self.post is not None:
+            if v.kind == "remote" and self.post is not None and now >= self._post_at:
+                self._post_at = now + v.bound_s  # once per bound while the wait lasts
                 try:
                     self.post({"seq": v.seq, "waiting": {str(r): w for r, w in v.waiting.items()},
                                "bound_s": round(v.bound_s, 3)})
@@ -267,7 +290,8 @@ class HangWatch:
         fresh = False
         for r in sus:
             key = (r, st[r].wait_since)
-            self._due[key] = now + max(st[r].bound_s, 0.1)
+            # looked at again within STALE_S (a local check, no traffic): a laggard alive now may hang later
+            self._due[key] = now + min(max(st[r].bound_s, 0.1), STALE_S)
             if key not in self._told:
                 self._told.add(key)
                 fresh = True
