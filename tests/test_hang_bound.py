@@ -156,3 +156,39 @@ def test_verdicts(tmp_path):
         1: "no arrival within the ceiling (--jit-timeout)"}
     said = Facts(_st(tmp_path, 1, seq=9, delay=30), "running", True)
     assert assess({0: late, 1: said}, [0], now, world_size=2, ceiling_s=4.0).kind == "stretch"
+
+
+def test_waits_publish_the_wait_and_the_announced_delay(tmp_path):
+    from jitckpt.collective_waits import Waits
+
+    w = Waits(tmp_path, 0, attempt=0, rule=Rule(startup_s=4.0))
+    r = StatusReader(tmp_path, 0)
+    w.enter()
+    w.enter("inner")  # nested (a collective inside DDP's forward): one wait
+    s = r.read()
+    assert s.seq == 1 and s.wait_since > 0 and s.bound_s == 4.0
+    w.leave()
+    assert r.read().wait_since > 0
+    w.leave()
+    assert r.read().wait_since == 0.0 and r.read().seq == 1
+    for steps in range(1, 4):
+        w.minibatch(None if steps == 1 else 0.01, steps)
+    assert r.read().bound_s == FLOOR_S and r.read().steps == 3  # past the start-up bound
+    with w.delay(30):
+        assert r.read().delay_until > time.monotonic() + 29
+    assert r.read().delay_until == 0.0
+
+
+def test_expect_delay_api(monkeypatch):
+    import jitckpt
+    from jitckpt import api
+
+    monkeypatch.setattr(api, "_runtime", None)  # the runtime this creates goes with the test
+
+    assert "expect_delay" in jitckpt.__all__
+    with jitckpt.expect_delay(seconds=5):  # not under jitrun: does nothing
+        pass
+    for bad in (0, -1, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError, match="expect_delay: seconds must be"):
+            with jitckpt.expect_delay(seconds=bad):
+                pass
