@@ -2,7 +2,8 @@
 every ``JITCKPT_*`` environment variable, with its type, default and
 meaning. Both sides read and write them only through this module (a
 ``Var``'s ``get``/``set``), so a name, a default or a parse lives in one
-place. The shim (libintercept) reads JITCKPT_TIMEOUT, JITCKPT_ON_HANG,
+place. The shim (libintercept) reads JITCKPT_TIMEOUT (and _FIXED, _MULT,
+_FLOOR; its own default floor, contract.SHIM_FLOOR_S), JITCKPT_ON_HANG,
 JITCKPT_ON_DEVICE_LOSS, JITCKPT_DEVICE_DIR, JITCKPT_SHIM_EVENTS and
 JITCKPT_RECOVER_TIMEOUT in C with the same meanings.
 
