@@ -23,6 +23,7 @@ from .hang_bound import HangBound, Rule
 from .rank_status import StatusWriter
 
 WORLD = "world"
+REFRESH_EVERY = 10  # minibatches between recomputations of the bound, once it settled
 
 
 def group_key(group: object) -> str:
@@ -81,7 +82,9 @@ class Waits:
             self.model.observe_minibatch(seconds)
         else:
             self.model.minibatches += 1
-        self._refresh()
+        n = self.model.minibatches
+        if n <= REFRESH_EVERY * 2 or n % REFRESH_EVERY == 0:  # a few sorts of 200 numbers: not every step
+            self._refresh()
         self.status.steps = steps
         self.status.bound_s = self._bounds[WORLD]
         self.status.flush()

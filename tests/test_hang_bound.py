@@ -192,3 +192,50 @@ def test_expect_delay_api(monkeypatch):
         with pytest.raises(ValueError, match="expect_delay: seconds must be"):
             with jitckpt.expect_delay(seconds=bad):
                 pass
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, dict]] = []
+
+    def emit(self, event: str, **fields) -> None:
+        self.got.append((event, fields))
+
+
+def test_hang_watch_confirms_here_or_asks_the_laggards_node(tmp_path):
+    """Two real processes stand for the ranks (rank 1 SIGSTOPped). On one
+    node the watch confirms the hang; split over two nodes, the waiter's node
+    posts the suspicion and the laggard's node confirms it."""
+    import signal
+    import subprocess
+    import sys
+
+    from launcher.recovery.hang import HangWatch
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        os.kill(kids[1].pid, signal.SIGSTOP)
+        pids = {0: kids[0].pid, 1: kids[1].pid}
+        _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
+        _st(tmp_path, 1, seq=9, beat_age=2.0)
+        ev = _Events()
+        one = HangWatch(tmp_path, ev, ceiling_s=120.0, enabled=True)
+        one.new_round(0, {0, 1}, world_size=2)
+        assert one.tick({0: None, 1: None}, pids, {0: 1.0, 1: 1.0}) == {1: "stopped"}
+        (name, d), = ev.got
+        assert name == "hang_detected" and d["lagging"] == [1] and d["waiting"] == {0: pytest.approx(1.5, abs=0.5)}
+
+        posted: list[dict] = []
+        a = HangWatch(tmp_path, _Events(), ceiling_s=120.0, enabled=True)
+        a.new_round(0, {0}, world_size=2)
+        a.post = posted.append
+        assert a.tick({0: None}, {0: kids[0].pid}, {0: 1.0}) is None
+        assert posted and posted[0]["seq"] == 10
+        b = HangWatch(tmp_path, _Events(), ceiling_s=120.0, enabled=True)
+        b.new_round(0, {1}, world_size=2)
+        assert b.tick({1: None}, {1: kids[1].pid}, {1: 1.0}) is None  # nothing suspicious seen here alone
+        assert b.tick({1: None}, {1: kids[1].pid}, {1: 1.0}, suspects=[{**posted[0], "node": "a"}]) == {1: "stopped"}
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
