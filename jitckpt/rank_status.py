@@ -12,7 +12,7 @@ minibatches done; ``wait_since``, when its current outermost collective wait
 began (0: not waiting); ``bound_s``, the hang bound it learned
 (jitckpt/hang_bound.py); ``delay_until``, the end of a delay the script
 announced (``jitckpt.expect_delay``); ``heartbeat``, the watcher thread's last
-beat: a rank that holds the GIL and never lets go stops beating.
+beat (0: none yet): a rank that holds the GIL and never lets go stops beating.
 
 The main thread's fields are written under a sequence lock (``gen`` odd while
 writing), so a reader never takes half of an update; the heartbeat has its
@@ -84,7 +84,7 @@ class StatusWriter:
         self.delay_until = 0.0
         self.typical_s = 0.0
         self.flush()
-        self.beat()
+        _BEAT.pack_into(self._m, _BEAT_AT, 0.0)  # 0: no heartbeat thread (yet): the agent cannot call it deaf
         os.replace(tmp, p)  # the agent never sees a record without its header
 
     def flush(self) -> None:

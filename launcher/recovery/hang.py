@@ -87,6 +87,8 @@ def liveness(f: Facts, now: float) -> tuple[str, str]:
         return "alive", "running (no status record)"
     if s.delay_until > now:
         return "declared", f"announced delay (jitckpt.expect_delay), {s.delay_until - now:.1f} s left"
+    if s.heartbeat <= 0:
+        return "alive", "running (no heartbeat thread)"
     age = now - s.heartbeat
     if age > STALE_S and not f.cpu_busy and not f.runnable:
         return "deaf", f"no heartbeat for {age:.2f} s, no CPU, no thread runnable: holds the GIL and never lets go"
