@@ -49,4 +49,5 @@ class Detector:
         f.progress, self._fault_step = self._fault_step, -1
         for r, why in (hung or {}).items():
             f.reasons[r] = f"hang: {why}"
+            f.done.add(r)  # it cannot answer the request to save: the episode does not wait for it
         return f
