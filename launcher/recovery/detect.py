@@ -49,5 +49,6 @@ class Detector:
         f.progress, self._fault_step = self._fault_step, -1
         for r, why in (hung or {}).items():
             f.reasons[r] = f"hang: {why}"
-            f.done.add(r)  # it cannot answer the request to save: the episode does not wait for it
+            if why in ("stopped", "deaf"):
+                f.done.add(r)  # it cannot answer the request to save: the episode does not wait for it
         return f
