@@ -36,7 +36,7 @@ def _no_false_alarm(job: Job, ref) -> list[dict]:
 
 
 FALSE_ALARMS = {
-    # +-50 % on every minibatch: the learned bound absorbs it, nothing is even suspected
+    # +-50 % on every minibatch: the learned bound absorbs it, nothing is even suspected after the start
     "jitter": (["--jitter", "0.5"], None, 0),
     # rank 0 evaluates (CPU busy, no collective) while rank 1 waits in the next collective
     "rank0_evaluation": (["--delay", "rank=0,every=15,seconds=3,kind=eval"], 0, 2),
@@ -57,7 +57,9 @@ def test_no_false_alarm(tmp_path, reference, case):
     job = jitrun(tmp_path, steps=STEPS, timeout_s=None, train_args=[*BUSY, *args], env=ENV)
     stretched = _no_false_alarm(job, reference)
     if laggard is None:
-        assert len(stretched) <= most, stretched
+        # nothing suspected once the start-up bound gave way to the learned one (a loaded machine may make
+        # the first minibatch slow enough to be looked at, and found alive)
+        assert all(min(e["steps"].values()) < 3 for e in stretched), stretched
         return
     # the long wait was suspected, the laggard found alive, and the timeline says so once per wait
     assert 1 <= len(stretched) <= most, stretched

@@ -74,6 +74,7 @@ class Verdict:
     hung: dict[int, str] = field(default_factory=dict)  # rank -> why
     evidence: dict[int, str] = field(default_factory=dict)
     why: str = ""
+    steps: dict[str, int] = field(default_factory=dict)  # the waiters' minibatches done
 
 
 def liveness(f: Facts, now: float) -> tuple[str, str]:
@@ -105,7 +106,8 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
     st = {r: f.status for r, f in facts.items() if f.status is not None}
     seq = max(st[r].seq for r in suspicious)
     waiting = {r: round(st[r].waiting_s(now), 3) for r in suspicious}
-    v = Verdict("stretch", waiting, bound_s=max(st[r].bound_s for r in suspicious), seq=seq)
+    v = Verdict("stretch", waiting, bound_s=max(st[r].bound_s for r in suspicious), seq=seq,
+                steps={str(r): st[r].steps for r in suspicious})
     in_wait = {r for r, s in st.items() if s.wait_since > 0}
     v.lagging = sorted(r for r in facts if r not in in_wait or st[r].seq < seq)
     classes = {}
@@ -300,12 +302,12 @@ class HangWatch:
         if fresh:
             self._events.emit("hang_bound_stretched", waiting=v.waiting, bound_s=round(v.bound_s, 3), seq=v.seq,
                               lagging=v.lagging, evidence={str(r): e for r, e in v.evidence.items()},
-                              remote=v.kind == "remote")
+                              remote=v.kind == "remote", steps=v.steps)
 
     def _confirm(self, v: Verdict) -> None:
         self._events.emit("hang_detected", kind=v.kind, waiting=v.waiting, bound_s=round(v.bound_s, 3), seq=v.seq,
                           ceiling_s=self.ceiling_s, lagging=v.lagging, hung={str(r): w for r, w in v.hung.items()},
-                          evidence={str(r): e for r, e in v.evidence.items()}, why=v.why)
+                          evidence={str(r): e for r, e in v.evidence.items()}, why=v.why, steps=v.steps)
         waited = ", ".join(f"rank {r} {s:.2f} s" for r, s in sorted(v.waiting.items()))
         if v.hung:
             who = "; ".join(f"rank {r}: {v.evidence[r] if w in ('stopped', 'deaf') else w}"
