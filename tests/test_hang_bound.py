@@ -215,6 +215,11 @@ def test_hang_watch_confirms_here_or_asks_the_laggards_node(tmp_path):
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:
         os.kill(kids[1].pid, signal.SIGSTOP)
+        import psutil
+
+        deadline = time.monotonic() + 10
+        while psutil.Process(kids[1].pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stop is delivered when the child is next scheduled
         pids = {0: kids[0].pid, 1: kids[1].pid}
         _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
         _st(tmp_path, 1, seq=9, beat_age=2.0)
