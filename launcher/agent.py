@@ -284,7 +284,7 @@ class JitAgent(LocalElasticAgent):
             self._stop_workers(worker_group)
             raise scheduler.JobAborted("jitrun: scheduler hook asked to abort the job")
         placement.apply(self._env_keys)
-        if restart_count == 0:
+        if restart_count == 1:  # torchrun counted this restart already
             self._hang.announce("before the first restart")
         self._exited.clear()
         if f is not None:
