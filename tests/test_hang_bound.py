@@ -139,10 +139,16 @@ def test_verdicts(tmp_path):
     assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", True)).kind == "stretch"
     assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=0.05), "running", False)).kind == "stretch"
     assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=9, delay=5), "running", False)).kind == "stretch"
+    # one rank still in a collective the other left, both past their bounds, nobody computing: lost, no one
+    # to blame (with a third rank busy elsewhere it would just be waiting for that one)
     stuck = verdict(Facts(_st(tmp_path, 1, seq=9, waiting=3.0), "running", False))
-    assert stuck.kind == "hang" and "stuck in collective #9" in stuck.hung[1]
+    assert stuck.kind == "lost" and not stuck.hung and "#9, #10" in stuck.why, stuck
+    busy = Facts(_st(tmp_path, 2, seq=8), "running", True)
+    third = assess({0: waiter, 1: Facts(_st(tmp_path, 1, seq=9, waiting=3.0), "running", False), 2: busy}, [0],
+                   now, world_size=3, ceiling_s=120.0)
+    assert third.kind == "stretch" and third.lagging == [1, 2], third
     # every rank in the same collective past its bound, nobody computing: lost
-    lost = verdict(Facts(_st(tmp_path, 1, seq=10, waiting=1.4), "running", False))
+    lost = verdict(Facts(_st(tmp_path, 1, seq=10, waiting=0.5), "running", False))
     assert lost.kind == "wait"  # rank 1 is not past its bound yet: look again next tick
     both = assess({0: waiter, 1: Facts(_st(tmp_path, 1, seq=10, waiting=1.4), "running", False)}, [0, 1], now,
                   world_size=2, ceiling_s=120.0)

@@ -8,10 +8,10 @@ memory reads, no store traffic). A rank waiting past its bound is only a
 suspicion; the agent then looks at the ranks where they live:
 
 * a rank that is stopped (state T), or deaf (no heartbeat: it holds the GIL
-  and never lets go) and not using CPU, is hung; so is a lagging rank stuck
-  in an earlier collective past its own bound;
-* every rank of the job waiting in the same collective past its bound, none
-  using CPU: the collective is lost;
+  and never lets go) and not using CPU, is hung;
+* every rank of the job waiting in a collective past its bound (the same
+  one, or one still in a collective the others left), none using CPU: the
+  collective is lost;
 * a lagging rank that is alive (beating, computing, sleeping in a data
   loader, saving, evaluating, or inside ``jitckpt.expect_delay``) is not a
   hang: the bound stretches by another bound, and the timeline says so once
@@ -118,26 +118,29 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
     for r, c in classes.items():
         if c == "stopped" or (c == "deaf" and (r in v.lagging or not deaf_waits)):
             v.hung[r] = c
-        elif r in v.lagging and r in in_wait and st[r].waiting_s(now) > st[r].bound_s and not facts[r].cpu_busy:
-            v.hung[r] = f"stuck in collective #{st[r].seq} past its bound"
     declared = any(c == "declared" for c in classes.values())
     if not v.hung and ceiling_s is not None and max(waiting.values()) > ceiling_s and not declared:
         v.hung = {r: "no arrival within the ceiling (--jit-timeout)" for r in v.lagging if classes[r] != "dead"}
         if not v.hung:
             v.kind, v.why = "lost", f"waited past the ceiling {ceiling_s:g} s"
             return v
+    elsewhere = [r for r in v.lagging if r not in in_wait]  # busy outside collectives: computing, loading, saving
     if v.hung:
         v.kind = "hang"
-    elif v.lagging or declared:
+    elif elsewhere or declared:
         v.kind = "stretch"  # alive and busy elsewhere, or said so
     elif len(facts) < world_size:
-        v.kind = "remote"  # the laggard is on another node
+        v.kind = "remote"  # every rank here waits: the laggard is on another node
     elif any(f.cpu_busy for f in facts.values()):
-        v.kind = "stretch"  # someone still computes inside the collective's region
-    elif set(suspicious) != set(facts):
-        v.kind = "wait"  # a peer in the same collective is still within its bound: look again next tick
+        v.kind = "stretch"  # someone still computes inside a collective's region
+    elif any(st[r].waiting_s(now) <= st[r].bound_s for r in facts):
+        v.kind = "wait"  # a rank is still within its bound: look again next tick
     else:
-        v.kind, v.why = "lost", f"every rank waits in collective #{seq} past its bound, none computing"
+        # every rank of the job waits, past its bound, none computing: no collective can complete. In
+        # different collectives (one rank still in one the others left) or the same one, no rank is to blame.
+        seqs = sorted({st[r].seq for r in facts})
+        where = f"collective #{seq}" if len(seqs) == 1 else "collectives " + ", ".join(f"#{q}" for q in seqs)
+        v.kind, v.why = "lost", f"every rank waits in {where} past its bound, none computing"
     return v
 
 
