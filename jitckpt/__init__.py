@@ -2,14 +2,16 @@
 
 Public API: ``resumable(model=..., optimizer=..., ...)`` (one call, no save_fn),
 or for full control ``register(save_fn, *, shard=None)``, ``get_checkpoint_path()``
-and, inside save_fn, ``checkpoint_step()``.
+and, inside save_fn, ``checkpoint_step()``. ``with expect_delay(seconds=...)``
+marks a rank that is slow on purpose (hang detection, README "Hangs").
 Launch with ``jitrun`` (a drop-in for ``torchrun``).
 """
 
-from .api import checkpoint_step, get_checkpoint_path, register
+from .api import checkpoint_step, expect_delay, get_checkpoint_path, register
 from .config import EXIT_NOT_SAVED, EXIT_SAVED
 
-__all__ = ["resumable", "register", "get_checkpoint_path", "checkpoint_step", "EXIT_SAVED", "EXIT_NOT_SAVED"]
+__all__ = ["resumable", "register", "get_checkpoint_path", "checkpoint_step", "expect_delay", "EXIT_SAVED",
+           "EXIT_NOT_SAVED"]
 
 
 def __getattr__(name: str):

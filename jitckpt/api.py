@@ -1,11 +1,15 @@
-"""The public surface: ``register`` and ``get_checkpoint_path``."""
+"""The public surface: ``register``, ``get_checkpoint_path``,
+``checkpoint_step`` and ``expect_delay``."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import config, contract, layout
 from .consistency import FRESH
@@ -102,6 +106,31 @@ def checkpoint_step() -> int:
     rt = _get_runtime()
     rt.step_read = True
     return rt.steps_done
+
+
+@contextmanager
+def expect_delay(seconds: float) -> Iterator[None]:
+    """Say that this rank is slow on purpose for up to ``seconds`` (while the
+    ``with`` block runs), so its peers' long wait for it is not taken for a
+    hang. Rarely needed: a rank that is alive and busy outside collectives
+    (evaluating, saving, waiting for data) is already told apart from a hung
+    one. For what the liveness check cannot see, e.g. a rank that holds the
+    GIL in one long C call without using CPU::
+
+        with jitckpt.expect_delay(seconds=600):
+            blocking_call_that_holds_the_gil()
+
+    The process groups' own timeout (twice ``--jit-timeout`` plus 30 s)
+    still applies. Outside jitrun, or with ``--jit-timeout fixed:S``, it
+    does nothing."""
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"jitckpt.expect_delay: seconds must be a finite number > 0, got {seconds!r}")
+    w = _get_runtime().waits
+    if w is None:
+        yield
+        return
+    with w.delay(float(seconds)):
+        yield
 
 
 def get_checkpoint_path() -> str | None:

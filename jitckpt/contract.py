@@ -2,14 +2,18 @@
 every ``JITCKPT_*`` environment variable, with its type, default and
 meaning. Both sides read and write them only through this module (a
 ``Var``'s ``get``/``set``), so a name, a default or a parse lives in one
-place. The shim (libintercept) reads JITCKPT_TIMEOUT, JITCKPT_ON_HANG,
+place. The shim (libintercept) reads JITCKPT_TIMEOUT (and _FIXED, _MULT,
+_FLOOR; its own default floor, contract.SHIM_FLOOR_S), JITCKPT_ON_HANG,
 JITCKPT_ON_DEVICE_LOSS, JITCKPT_DEVICE_DIR, JITCKPT_SHIM_EVENTS and
 JITCKPT_RECOVER_TIMEOUT in C with the same meanings.
 
-The one timeout rule: ``TIMEOUT`` is the seconds a collective may hang
-before the healthy ranks save (``--jit-timeout``); every other bound that
-depends on it is derived from it here (``ec_op_timeout_s``,
-``pg_timeout_s``), never re-read with a default of its own.
+The one timeout rule: a rank's hang bound is learned from the job's own
+timing (jitckpt/hang_bound.py: ``TIMEOUT_FLOOR``, ``TIMEOUT_MULT``), and
+``TIMEOUT`` (``--jit-timeout S``) is its ceiling; with ``TIMEOUT_FIXED``
+(``--jit-timeout fixed:S``) ``TIMEOUT`` is the fixed seconds a collective
+may hang before the healthy ranks save, nothing learned. Every other bound
+that depends on it is derived from it here (``ec_op_timeout_s``,
+``pg_timeout_s``, ``hang_rule``), never re-read with a default of its own.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from .hang_bound import FLOOR_S, MULT, STARTUP_S, Rule
+
 T = TypeVar("T")
 Env = MutableMapping[str, str]
 
 DEFAULT_TIMEOUT_S = 120.0
+SHIM_FLOOR_S = 30.0  # the shim's watchdog acts on its own, unconfirmed: a floor of its own (libintercept)
 
 
 def _env(env: Env | None) -> Env:
@@ -67,7 +74,12 @@ def _path(raw: str) -> Path:
 DIR = Var[Path | None]("JITCKPT_DIR", _path, None, "the job's jit dir on this node; set only under jitrun")
 JOB_ID = Var("JITCKPT_JOB_ID", str, "", "the job's identity (the rendezvous id, else a hash of the command)")
 TOKEN = Var("JITCKPT_TOKEN", str, "", "the job's secret: key names and seals of every record in the store")
-TIMEOUT = Var("JITCKPT_TIMEOUT", float, DEFAULT_TIMEOUT_S, "seconds a collective may hang before ranks save")
+TIMEOUT = Var("JITCKPT_TIMEOUT", float, DEFAULT_TIMEOUT_S,
+              "ceiling of the learned hang bound; with TIMEOUT_FIXED the fixed seconds a collective may hang")
+TIMEOUT_FIXED = Var("JITCKPT_TIMEOUT_FIXED", _flag, False, "TIMEOUT is a fixed hang bound: nothing is learned")
+TIMEOUT_FLOOR = Var("JITCKPT_TIMEOUT_FLOOR", float, FLOOR_S, "the learned hang bound is never below this")
+TIMEOUT_STARTUP = Var("JITCKPT_TIMEOUT_STARTUP", float, STARTUP_S, "the bound's least over the first minibatches")
+TIMEOUT_MULT = Var("JITCKPT_TIMEOUT_MULT", float, MULT, "the learned bound: this x the recent high quantile")
 ATTEMPT = Var("JITCKPT_ATTEMPT", int, 0, "job-wide attempt (rendezvous round, or the static group's restarts)")
 RESTORE_STEP = Var("JITCKPT_RESTORE_STEP", str, "", "the step the job restores: a number, 'none', or unset")
 RESTORE_SOURCE = Var("JITCKPT_RESTORE_SOURCE", str, "", "'ec': decode RESTORE_STEP from EC chunks first")
@@ -118,7 +130,16 @@ def ec_op_timeout_s(timeout_s: float) -> float:
     return max(DEFAULT_TIMEOUT_S, 2 * timeout_s)
 
 
-def pg_timeout_s(timeout_s: float, shim: bool) -> float:
-    """The process groups' timeout once training runs: the JIT timeout; with the shim
-    longer, so its watchdog sees an NCCL hang before PyTorch's tears the process down."""
-    return 2 * timeout_s + 30 if shim else timeout_s
+def pg_timeout_s(timeout_s: float, shim: bool, fixed: bool = True) -> float:
+    """The process groups' timeout once training runs. Fixed: the JIT timeout.
+    Learned, or with the shim: longer than the ceiling, so a slow but live peer
+    never makes gloo tear the group down on its own; the agent confirms a hang
+    and ends the hung rank (launcher/recovery/hang.py), the shim's watchdog
+    sees an NCCL hang first, and this is only the backstop without either."""
+    return timeout_s if fixed and not shim else 2 * timeout_s + 30
+
+
+def hang_rule(env: Env | None = None) -> Rule:
+    """The hang bound's rule as jitrun set it for this worker."""
+    return Rule(floor_s=TIMEOUT_FLOOR.get(env), mult=TIMEOUT_MULT.get(env), startup_s=TIMEOUT_STARTUP.get(env),
+                ceiling_s=TIMEOUT.get(env), fixed=TIMEOUT_FIXED.get(env))

@@ -13,9 +13,12 @@ keys:
            reported it finished, as the process ends). Default 0.
   phase    forward | backward | allreduce | optimizer | save | restore | exit
   kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
-           hang | exit | stale | bitflip
+           hang | lose | exit | stale | swap | bitflip
            (signals are sent by the rank to itself; abort = os.abort();
-           hang = blocks forever while holding the GIL; exit = os._exit(13);
+           hang = blocks forever while holding the GIL; lose = waits in a
+           collective nobody completes (a recv from the next rank, which
+           never sends: on every rank at the same step, a lost collective);
+           exit = os._exit(13);
            stale, only with phase=restore: get_checkpoint_path() returns the
            newest replica *older* than the chosen step, which the job-wide
            consistency check must refuse; swap, only with phase=restore: the
@@ -47,8 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore", "exit")
-KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "exit", "stale",
-         "swap", "bitflip")
+KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "lose", "exit",
+         "stale", "swap", "bitflip")
 TARGETS = ("param", "optim")
 EXIT_INJECTED = 13
 
@@ -164,6 +167,11 @@ def execute(kind: str, where: str) -> None:
         raise InjectedFault(f"injected fault at {where}")
     elif kind == "hang":
         hang_holding_gil()
+    elif kind == "lose":
+        import torch
+        import torch.distributed as dist
+
+        dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
     elif kind == "exit":
         os._exit(EXIT_INJECTED)
 

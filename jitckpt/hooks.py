@@ -14,8 +14,12 @@ What is hooked, and why each is needed:
   roles;
 * ``Work.wait``: an asynchronous collective (``async_op=True``, FSDP2's
   all-gathers and reduce-scatters) fails where it is waited on;
-* the default process-group timeout: set to the JIT timeout so that a hung
-  gloo/nccl collective raises after ``--jit-timeout`` seconds instead of 30 min;
+* the default process-group timeout: with a fixed ``--jit-timeout`` set to it,
+  so that a hung gloo/nccl collective raises after that many seconds instead
+  of 30 min; with the learned bound set past the ceiling (a backstop: the
+  agent confirms a hang and ends the hung rank, launcher/recovery/hang.py);
+* the same places, and DDP's forward and the backward pass, time the rank's
+  collective waits for that watch (collective_waits.py);
 * ``sys.excepthook`` (and the end of the script, _bootstrap.py): a collective
   error raised where none of the above sees it still leads to a save when it
   ends the process, also through ``raise ... from`` or a ``sys.exit`` in an
@@ -48,16 +52,30 @@ _COLLECTIVES = (
 )
 
 
+def _waiting(rt: Runtime, group: object = None) -> bool:
+    """Enter a collective wait of the agent's hang watch (collective_waits.py):
+    from the first minibatch on, where a rank's peers can keep it waiting."""
+    w = rt.waits
+    if w is None or rt.phase is Phase.INIT:
+        return False
+    w.enter(group)
+    return True
+
+
 def _guard(rt: Runtime, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         rt.on_collective()
+        timed = _waiting(rt, kwargs.get("group"))
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
             if is_collective_error(e):
                 rt.on_collective_error(e)
             raise
+        finally:
+            if timed:
+                rt.waits.leave()
 
     wrapper.__jitckpt_wrapped__ = fn
     return wrapper
@@ -68,12 +86,16 @@ def _raise_guard(rt: Runtime, fn):
     one), with that failure handed to the runtime before it propagates."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        timed = _waiting(rt)
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
             if is_collective_error(e):
                 rt.on_collective_error(e)
             raise
+        finally:
+            if timed:
+                rt.waits.leave()
 
     wrapper.__jitckpt_wrapped__ = fn
     return wrapper
@@ -91,12 +113,16 @@ def _wait_guard(rt: Runtime, fn):
         if rt.phase is Phase.INIT or threading.current_thread() is not main:
             return fn(self, *args, **kwargs)
         rt.on_collective()
+        timed = _waiting(rt)
         try:
             return fn(self, *args, **kwargs)
         except RuntimeError as e:
             if is_collective_error(e):
                 rt.on_collective_error(e)
             raise
+        finally:
+            if timed:
+                rt.waits.leave()
 
     wait.__jitckpt_wrapped__ = fn
     return wait
@@ -119,12 +145,16 @@ def install(rt: Runtime, detect: bool = True) -> None:
     @functools.wraps(orig_backward)
     def backward(tensors, *args, **kwargs):
         rt.on_backward(tensors)
+        timed = detect and _waiting(rt)  # DDP's gradient all-reduces are waited for inside
         try:
             return orig_backward(tensors, *args, **kwargs)
         except RuntimeError as e:
             if detect and is_collective_error(e):
                 rt.on_collective_error(e)
             raise
+        finally:
+            if timed:
+                rt.waits.leave()
 
     torch.autograd.backward = backward
     _isolate_attempts(rt.cfg.attempt)
@@ -140,7 +170,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     if not hasattr(dist.Work.wait, "__jitckpt_wrapped__"):
         dist.Work.wait = _wait_guard(rt, dist.Work.wait)
 
-    pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded())
+    pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded(), fixed=rt.waits is None)
     rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
 
     prev_hook = sys.excepthook
@@ -207,8 +237,8 @@ def _isolate_attempts(attempt: int) -> None:
 
 
 def _arm_timeouts(timeout: timedelta) -> None:
-    """Shorten every process group's timeout to the JIT timeout once training
-    starts, so a hung collective raises after ``--jit-timeout`` seconds.
+    """Set every process group's timeout once training starts (see
+    contract.pg_timeout_s): a fixed ``--jit-timeout``, or the backstop.
 
     Not before: start-up collectives (DDP's parameter verification, barriers
     around data preparation) legitimately wait for slow peers, and a short

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import select
 import signal
 import statistics
 import sys
@@ -56,6 +57,7 @@ from . import contract, layout
 from . import faults as _faults
 
 SaveFn = Callable[[str], None]
+HEARTBEAT_S = 0.1  # the watcher's beat period (launcher/recovery/hang.py: STALE_S)
 
 
 class Phase(Enum):
@@ -152,6 +154,7 @@ class Runtime:
                                          announce=self._announce_fault)
         # --jit-migratable on: the migration request watch (one store add per minibatch start)
         self._migration = None
+        self.waits = None  # collective_waits.Waits under jitrun: the record the agent's hang watch reads
 
     # -- reporting --------------------------------------------------------
 
@@ -161,6 +164,11 @@ class Runtime:
         from .report import Reporter, connect
 
         self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
+        # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
+        if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
+            from .collective_waits import Waits
+
+            self.waits = Waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
                     proc_start_t=_process_start_time())
         if contract.MIGRATABLE.get():
@@ -365,6 +373,8 @@ class Runtime:
         if self._step_t is not None:
             self._step_times.append(now - self._step_t)
             del self._step_times[:-50]
+        if self.waits is not None:
+            self.waits.minibatch(None if self._step_t is None else now - self._step_t, self.steps_done)
         self._step_t = now
         if not self._resumed_reported:
             self._resumed_reported = True
@@ -568,7 +578,12 @@ class Runtime:
         pass
 
     def _watch(self, fd: int) -> None:
+        # the beat says this process can still run Python: one that holds the GIL for good stops beating
         while True:
+            if self.waits is not None:
+                self.waits.beat()
+            if not select.select([fd], [], [], HEARTBEAT_S)[0]:
+                continue
             data = os.read(fd, 64)
             if not data:
                 return

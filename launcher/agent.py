@@ -28,7 +28,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from jitckpt import auth, contract
-from jitckpt.report import ReportReader, connect
+from jitckpt.report import Reporter, ReportReader, connect
 
 from . import migrate, rdzv, warm
 from .devices import describe, scheduler
@@ -40,6 +40,7 @@ from .options import JitOptions, this_node
 from .recovery import alive, episode
 from .recovery.detect import Detector
 from .recovery.episode import Episode, Failure
+from .recovery.hang import HangWatch
 from .recovery.record import recovery_record
 from .recovery.reports import ReportBook
 from .recovery.restore import STATIC_LOST, Restorer
@@ -76,6 +77,8 @@ class JitAgent(LocalElasticAgent):
         self._where = Whereabouts()
         self._book = ReportBook(events)
         self._detector = Detector(self._book, events)
+        self._hang = HangWatch(jit.root, events, ceiling_s=jit.timeout_s,
+                               enabled=not jit.timeout_fixed and not migrate.enabled())
         self._restorer = Restorer(jit, self._node, events, self._env_keys)
         self._devices = DeviceWatch(jit, self._node, events, self._wakeup.poke, self._where, self._env_keys)
         handler = spec.rdzv_handler
@@ -118,6 +121,9 @@ class JitAgent(LocalElasticAgent):
         contract.ATTEMPT.set(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
         self._book.new_round(self._round, self._local_ranks)
+        self._hang.new_round(self._round, self._local_ranks, worker_group.workers[0].world_size)
+        self._hang.post = lambda fields: Reporter(self._worker_store(worker_group), self._jit.token, None).send(
+            "hang_suspect", node=self._node.node_id, attempt=self._round, **fields)
         if self._pending is not None:
             self._pending.rdzv_t = time.time()
         self._restorer.join_round(rdzv.coordination_store(handler), self._round, worker_group.group_rank,
@@ -153,6 +159,9 @@ class JitAgent(LocalElasticAgent):
             if k in os.environ:
                 worker_env[k] = os.environ[k]
 
+    def announce_hang_bound(self, when: str) -> None:
+        self._hang.announce(when)
+
     def close(self) -> bool:
         """End our threads before the interpreter exits; False if one would
         not stop (the caller then leaves with os._exit)."""
@@ -186,9 +195,15 @@ class JitAgent(LocalElasticAgent):
         procs = self._procs(worker_group)
         self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         msgs = self._poll(worker_group, absorb=False)
-        self._book.track_life({r: cpu_seconds(p.pid) for r, p in procs.items()})
+        pids = {r: self._where.ns_pids.get(r, p.pid) for r, p in procs.items()}
+        cpu = {r: cpu_seconds(pid) for r, pid in pids.items()}
+        self._book.track_life(cpu)
         codes = {r: p.poll() for r, p in procs.items()}
-        failed = self._detector.check(msgs, codes, procs, coord is not None and coord.failed(self._round))
+        suspects = [m for m in msgs if m["event"] == "hang_suspect" and m.get("node") != self._node.node_id
+                    and self._book.of_this_round(m)]
+        hung = (None if any(c not in (None, 0) for c in codes.values())
+                else self._hang.tick(procs, pids, cpu, suspects))
+        failed = self._detector.check(msgs, codes, procs, coord is not None and coord.failed(self._round), hung)
         if failed:
             self._failure = failed
         for m in msgs:
@@ -281,6 +296,8 @@ class JitAgent(LocalElasticAgent):
             self._stop_workers(worker_group)
             raise scheduler.JobAborted("jitrun: scheduler hook asked to abort the job")
         placement.apply(self._env_keys)
+        if restart_count == 1:  # torchrun counted this restart already
+            self._hang.announce("before the first restart")
         self._exited.clear()
         if f is not None:
             f.restart_t = time.time()

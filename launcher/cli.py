@@ -92,9 +92,12 @@ def _add_jit_options(g) -> None:
     g.add_argument("--jit-dir", default=None,
                    help="checkpoint root for JIT checkpoints and events.jsonl "
                         "(default: ./jitckpt_runs/<job id>)")
-    g.add_argument("--jit-timeout", type=float, default=None,
-                   help=f"seconds a collective may hang before the healthy ranks save "
-                        f"(default {DEFAULT_TIMEOUT_S:.0f}; also the process group timeout)")
+    g.add_argument("--jit-timeout", type=_timeout_arg, default=None, metavar="SECONDS|fixed:SECONDS",
+                   help="hangs are detected from the job's own timing: a rank waiting in a collective past "
+                        "max(1 s, 5x its recent minibatch and wait times) has its lagging peers checked, and a "
+                        "stopped, deaf or stuck one is ended (the healthy ranks save). SECONDS: the ceiling on "
+                        f"that bound (default {DEFAULT_TIMEOUT_S:.0f}); fixed:SECONDS: the old fixed timeout, "
+                        "nothing learned (also the process group timeout)")
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
@@ -180,6 +183,15 @@ def _check_ec(args) -> str | None:
     return None
 
 
+def _timeout_arg(raw: str) -> tuple[float, bool]:
+    from jitckpt.hang_bound import parse_timeout
+
+    try:
+        return parse_timeout(raw)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _check_seconds(flag: str, value: float | None) -> str | None:
     if value is None or (math.isfinite(value) and value > 0):
         return None
@@ -232,7 +244,7 @@ def _check_sizes(args) -> str | None:
 def check_args(args) -> str | None:
     """What is wrong with the command line, as one line for stderr, or None.
     Run before anything is created on disk or started."""
-    err = (_check_seconds("--jit-timeout", args.jit_timeout)
+    err = (_check_seconds("--jit-timeout", args.jit_timeout[0] if args.jit_timeout else None)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
            or (None if args.jit_health_interval == 0 else
                _check_seconds("--jit-health-interval", args.jit_health_interval))
@@ -253,6 +265,11 @@ def check_args(args) -> str | None:
         if bad:
             return (f"{contract.TIMEOUT.name}={env_timeout!r} in the environment is not a finite number "
                     "of seconds > 0; unset it or pass --jit-timeout SECONDS")
+    try:
+        contract.hang_rule()
+    except ValueError as e:
+        return (f"the hang bound's settings in the environment: {e} ({contract.TIMEOUT_FLOOR.name}, "
+                f"{contract.TIMEOUT_MULT.name} and {contract.TIMEOUT_STARTUP.name} must be numbers > 0)")
     return None
 
 
@@ -352,8 +369,8 @@ def run(args) -> int:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
     _previous_run(root, job_id, args.jit_resume)
-    timeout = args.jit_timeout or contract.TIMEOUT.get()
-    _tell_workers(args, root, job_id, timeout)
+    timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
+    _tell_workers(args, root, job_id, timeout, fixed)
     intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
     _torchrun_defaults(args)
     config, cmd, cmd_args = config_from_args(args)
@@ -363,6 +380,7 @@ def run(args) -> int:
 
     rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=args.job_token, timeout_s=timeout,
                 save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
+                timeout_fixed=fixed,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:
         from .shim_events import collect
@@ -390,12 +408,13 @@ def _previous_run(root: Path, job_id: str, resume: bool) -> None:
           f"moved to {moved}; pass --jit-resume to continue from them instead)", flush=True)
 
 
-def _tell_workers(args, root: Path, job_id: str, timeout: float) -> None:
+def _tell_workers(args, root: Path, job_id: str, timeout: float, fixed: bool) -> None:
     """The contract's variables every worker starts with (jitckpt/contract.py)."""
     contract.DIR.set(root)
     contract.JOB_ID.set(job_id)
     contract.TOKEN.set(args.job_token)  # checked by check_args
     contract.TIMEOUT.set(timeout)
+    contract.TIMEOUT_FIXED.set(int(fixed))
     for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP, contract.MIGRATABLE):
         var.unset()
     # EC snapshots: workers read these; 0 = off, nothing of it runs

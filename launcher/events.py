@@ -59,8 +59,8 @@ def summary(events: list[dict]) -> str:
     t0 = events[0]["t"] if events else 0.0
     multi = len({e.get("node") for e in events}) > 1
     for e in events:
-        if e["event"] in ("fault_injected", "failure_detected", "checkpoint_saved", "checkpoint_failed",
-                          "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
+        if e["event"] in ("fault_injected", "failure_detected", "hang_detected", "checkpoint_saved",
+                          "checkpoint_failed", "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
                           "restore_decision", "replica_fetched", "replica_fetch_failed", "state_divergence",
                           "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect", "state_repaired",
                           "verify_off"):

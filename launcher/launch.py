@@ -30,12 +30,12 @@ from .options import JitOptions
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
            timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None,
-           health_interval_s: float = 0.0) -> int:
+           health_interval_s: float = 0.0, timeout_fixed: bool = False) -> int:
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     events = EventLog(root / "events.jsonl")
     events.emit("job_start", job_id=job_id, nproc_per_node=config.nproc_per_node,
-                max_restarts=config.max_restarts, timeout_s=timeout_s, jit_dir=str(root),
+                max_restarts=config.max_restarts, timeout_s=timeout_s, timeout_fixed=timeout_fixed, jit_dir=str(root),
                 pid=os.getpid())
     spec = _worker_spec(config, cmd, cmd_args)
     handler = spec.rdzv_handler
@@ -45,12 +45,13 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         shutdown_timeout=config.shutdown_timeout,
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
                        save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
-                       health_interval_s=health_interval_s),
+                       health_interval_s=health_interval_s, timeout_fixed=timeout_fixed),
         events=events)
     code, shutdown_rdzv = 1, True
     try:
         code, shutdown_rdzv = _run(agent, handler, config, cmd, cmd_args, token, sched)
     finally:
+        agent.announce_hang_bound("at the end")
         stopped = agent.close()
         _close_rendezvous(handler, token, code, shutdown_rdzv)
         from .ec_clean import free_at_end  # this node's EC chunks go with the job

@@ -15,11 +15,12 @@ class JitOptions:
     root: Path
     job_id: str
     token: str
-    timeout_s: float
+    timeout_s: float  # the hang bound's ceiling, or with timeout_fixed the fixed bound
     save_timeout_s: float
     scheduler: str
     command: list[str] = field(default_factory=list)  # this agent's argv, to start a replacement
     health_interval_s: float = 0.0  # NVML checks while the job runs (0: only before each start)
+    timeout_fixed: bool = False  # --jit-timeout fixed:S: no learned bound, no hang watch
 
 
 def this_node(local_addr: str | None) -> decide.NodeInfo:

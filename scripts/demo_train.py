@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
+import tempfile
 import time
 
 import torch
@@ -63,6 +65,79 @@ def batch(seed: int, step: int, rank: int, bs: int, seq: int, vocab: int) -> tup
     return seqs[:, :-1], seqs[:, 1:]
 
 
+class Timing:
+    """The wall-clock behaviour of a busy real job, for the hang detection's
+    tests: per-minibatch jitter, a straggler, and one-rank delays (an
+    evaluation, a user's own checkpoint, a first-minibatch compile, a data
+    loader stall). None of it changes what is computed: the final state is
+    that of a run without it."""
+
+    KINDS = ("eval", "save", "compile", "loader")
+
+    def __init__(self, args: argparse.Namespace, rank: int, model: nn.Module) -> None:
+        self.sleep, self.jitter, self.rank, self.model = args.step_sleep, args.jitter, rank, model
+        self.rng = random.Random(args.seed * 7919 + rank)  # not torch's RNG: the training's stays untouched
+        self.factor = args.straggle[1] if args.straggle and args.straggle[0] == rank else 1.0
+        self.delays = [d for d in args.delay if d["rank"] == rank]
+        self.x = batch(args.seed, 0, rank, args.batch, args.seq, args.vocab)[0]
+        for d in self.delays:
+            if d["kind"] == "compile":  # inside the first forward, as torch.compile's work is
+                self._compile = model.register_forward_pre_hook(lambda mod, inp, s=d["seconds"]: self._busy(s))
+
+    @staticmethod
+    def parse(text: str) -> dict:
+        kv = dict(item.split("=", 1) for item in text.split(","))
+        d = {"rank": int(kv["rank"]), "seconds": float(kv["seconds"]), "kind": kv["kind"]}
+        if d["kind"] not in Timing.KINDS:
+            raise argparse.ArgumentTypeError(f"--delay kind {d['kind']!r} not one of {Timing.KINDS}")
+        d["every"] = int(kv.get("every", 0))
+        d["step"] = int(kv.get("step", 0))
+        return d
+
+    @staticmethod
+    def straggler(text: str) -> tuple[int, float]:
+        rank, factor = text.split("=")
+        return int(rank), float(factor)
+
+    def _due(self, d: dict, step: int) -> bool:
+        return (step + 1) % d["every"] == 0 if d["every"] else step == d["step"]
+
+    def _busy(self, seconds: float) -> None:
+        self._compile.remove()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:  # Python-heavy CPU work, as a compiler's
+            sum(i * i for i in range(2000))
+
+    def before_forward(self, step: int) -> None:
+        for d in self.delays:
+            if d["kind"] == "loader" and self._due(d, step):
+                time.sleep(d["seconds"])  # the main thread waits for a batch
+
+    def after_step(self, step: int) -> None:
+        s = self.sleep * self.factor
+        if s and self.jitter:
+            s *= 1 + self.rng.uniform(-self.jitter, self.jitter)
+        if s:
+            time.sleep(s)
+        for d in self.delays:
+            if d["kind"] == "eval" and self._due(d, step):
+                self._evaluate(d["seconds"])
+            elif d["kind"] == "save" and self._due(d, step):
+                end = time.monotonic() + d["seconds"]
+                with tempfile.TemporaryDirectory() as tmp:  # the user's own checkpoint, on a slow disk
+                    torch.save(self.model.state_dict(), os.path.join(tmp, "user.pt"))
+                    time.sleep(max(0.0, end - time.monotonic()))
+
+    def _evaluate(self, seconds: float) -> None:
+        """Forward passes of the local model (no DDP: no collective), CPU busy."""
+        end = time.monotonic() + seconds
+        self.model.eval()
+        with torch.no_grad():
+            while time.monotonic() < end:
+                self.model(self.x)
+        self.model.train()
+
+
 def finish(args: argparse.Namespace, rank: int, model: nn.Module, opt: torch.optim.Optimizer, trained: int,
            t0: float) -> None:
     """After the loop: the optional barrier, rank 0's final model+optimizer
@@ -88,6 +163,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (simulated compute)")
+    ap.add_argument("--jitter", type=float, default=0.0, help="each step's --step-sleep varies by +- this fraction")
+    ap.add_argument("--straggle", type=Timing.straggler, default=None, metavar="RANK=FACTOR",
+                    help="this rank's --step-sleep is FACTOR times longer (a straggler)")
+    ap.add_argument("--delay", type=Timing.parse, action="append", default=[],
+                    metavar="rank=R,seconds=T,kind=K[,step=S|,every=N]",
+                    help="rank R is slow for T seconds at step S (or after every N-th step): kind eval (an "
+                         "evaluation after the step, CPU busy), save (its own checkpoint after the step, idle), "
+                         "compile (inside its first forward, CPU busy), loader (a data stall before the forward)")
     ap.add_argument("--final-barrier", action="store_true", help="a dist.barrier() after the training loop")
     ap.add_argument("--save-sleep", type=float, default=0.0, help="extra seconds inside save_fn (a slow save)")
     ap.add_argument("--out", default=None, help="rank 0 writes final model+optimizer state here")
@@ -159,10 +242,12 @@ def main() -> None:
         start = state["step"]
         print(f"[rank {rank}] resumed from {state_file} at step {start}", flush=True)
 
+    timing = Timing(args, rank, model)
     t0 = time.time()
     for step in range(start, args.steps):
         cursor["step"], cursor["rng"] = step, torch.get_rng_state()
         x, y = batch(args.seed, step, rank, args.batch, args.seq, args.vocab)
+        timing.before_forward(step)
         logits = ddp(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -172,8 +257,7 @@ def main() -> None:
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0].add_(1e-6 * rank)
         sched.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
+        timing.after_step(step)
         if args.ckpt_every and rank == 0 and (step + 1) % args.ckpt_every == 0:
             # what users run today: a blocking torch.save every N steps, made atomic
             cursor["step"], cursor["rng"] = step + 1, torch.get_rng_state()

@@ -162,14 +162,15 @@ def run_reference(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return cp
 
 
-def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeout_s: float = 3,
+def jitrun(tmp: Path, *, nproc: int = 2, steps: int = 16, fault: str = "", timeout_s: float | str | None = 3,
            max_restarts: int = 3, extra: list[str] | None = None, train_args: list[str] | None = None,
            env: dict | None = None, jit_dir: Path | None = None) -> Job:
     jit_dir = jit_dir or tmp / "jit"
     out = tmp / "final.pt"
     # the launch line users type (no rendezvous flags); tests/test_launch_forms.py covers the others
     cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(max_restarts), "--jit-timeout", str(timeout_s), "--jit-dir", str(jit_dir),
+           "--max-restarts", str(max_restarts), "--jit-dir", str(jit_dir),
+           *(["--jit-timeout", str(timeout_s)] if timeout_s is not None else []),  # None: learned
            *(extra or []), str(TRAIN), "--steps", str(steps), "--out", str(out), *(train_args or [])]
     e = {"JITCKPT_FAULT": fault} if fault else {}
     cp = run_tree(cmd, env={**e, **(env or {})})

@@ -493,3 +493,20 @@ def test_bench_scale_tiny(tmp_path):
     assert xfer["mib"] == 8 and xfer["store"]["sha256_ok"] and xfer["stream"]["sha256_ok"]
     assert xfer["store_msgs"] >= 2 * 3  # two chunks, each set, waited for, read, deleted, acknowledged
     assert "replica transfer of 8 MiB" in proc.stdout
+
+
+# -- bench_detection ----------------------------------------------------------------
+
+
+def test_detection_table_medians_and_ratio():
+    import bench_detection as bd
+
+    def row(mode: str, detect: float, resumed: float) -> dict:
+        return {"fault": "sigstop", "minibatch_s": 0.1, "mode": mode, "exit": 0, "detect_s": detect,
+                "resumed_s": resumed, "redone": 1, "bound_s": 1.0, "identical": True}
+
+    rows = [row("learned", d, d + 0.5) for d in (1.1, 1.0, 1.3)] + [row("fixed:120", 120.2, 121.0)]
+    text = bd.table(rows)
+    learned = next(line.split() for line in text.splitlines() if " learned " in line and "->" not in line)
+    assert learned[:6] == ["sigstop", "0.1", "learned", "3", "1.1", "1.6"], text  # medians of the three
+    assert "fault -> resumed 121.0 s fixed vs 1.6 s learned (76x)" in text, text

@@ -202,6 +202,13 @@ def test_rank_failure(nnodes, nproc, kind, mn_reference):
         # the failed rank's node had no replica: it was decided job-wide and fetched
         dec = [e for e in evs if e["event"] == "restore_decision"]
         assert dec and len({e["step"] for e in dec}) == 1, dec
+        if kind == "sigstop":
+            # confirmed by the stopped rank's own agent, never by a node whose ranks only wait; that node's
+            # agent asks the others (hang_suspect, the hang watch's only store traffic), which is how a
+            # rank alone on its node is found
+            det = [e for e in evs if e["event"] == "hang_detected"]
+            assert len(det) == 1 and det[0]["hung"] == {str(nnodes * nproc - 1): "stopped"}, det
+            assert nproc > 1 or any(e["event"] == "hang_suspect" for e in evs), evs
 
 
 THREE = ("rank=1,step=4,phase=backward,kind=sigkill;rank=0,step=9,phase=forward,kind=sigstop,attempt=1;"

@@ -1,6 +1,7 @@
 """When a failure episode starts: a worker exited non-zero, a worker reported
-a failure, another node's agent is handling one, or a rank is stopped after
-its peers finished (no collective is left to time out). Agent's main thread."""
+a failure, another node's agent is handling one, the hang watch confirmed a
+hang (hang.py), or a rank is stopped after its peers finished (no collective
+is left to time out). Agent's main thread."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ class Detector:
         self._fault_step = -1  # the step an injected fault announced, read before the failure was seen
 
     def check(self, msgs: list[dict], codes: dict[int, int | None], procs: dict[int, Proc],
-              other_node_failed: bool) -> Failure | None:
+              other_node_failed: bool, hung: dict[int, str] | None = None) -> Failure | None:
         """A new episode, or None. ``msgs``: the reports read this tick;
-        ``codes``: this node's workers' exit codes (None: running)."""
-        failed = any(c not in (None, 0) for c in codes.values())
+        ``codes``: this node's workers' exit codes (None: running); ``hung``:
+        a hang the hang watch confirmed (rank -> why; empty: a lost collective)."""
+        failed = any(c not in (None, 0) for c in codes.values()) or hung is not None
         now = [m for m in msgs if self._book.of_this_round(m)]
         for m in now:
             if m["event"] == "fault_injected":
@@ -45,4 +47,8 @@ class Detector:
         # the failing rank said its step before it died, possibly a poll earlier: without it a
         # recovery with no surviving reporter (every rank killed) could not say what it redid
         f.progress, self._fault_step = self._fault_step, -1
+        for r, why in (hung or {}).items():
+            f.reasons[r] = f"hang: {why}"
+            if why in ("stopped", "deaf"):
+                f.done.add(r)  # it cannot answer the request to save: the episode does not wait for it
         return f

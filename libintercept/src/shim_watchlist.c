@@ -5,8 +5,11 @@
  *    NCCL work inside the group (per-thread group state below);
  *  - application events recorded on an NCCL stream that another stream waits
  *    on (cudaStreamWaitEvent; Fig. 3), timed from that wait;
- *  - the hang timeout: JITCKPT_TIMEOUT, or max(floor, mult x the longest
- *    collective seen).
+ *  - the hang timeout: max(floor, mult x the longest collective seen), the
+ *    rule of jitckpt/hang_bound.py, capped by JITCKPT_TIMEOUT (the ceiling);
+ *    with JITCKPT_TIMEOUT_FIXED=1, JITCKPT_TIMEOUT itself. The floor defaults
+ *    to 30 s, not the Python path's 1 s: this watchdog acts on its own, with
+ *    no liveness check by the agent before it.
  * Hooks add entries; the watchdog thread detaches the list, polls it and hands
  * back what is still pending; a recovery (or jitintercept_recreate_handles)
  * drops every entry, since they name objects that are being replaced.
@@ -38,12 +41,14 @@ static JI_TLS int tls_group_rank[GROUP_STREAMS];
 
 /* ---------------- the timeout rule ---------------- */
 static _Atomic int cfg_locked; /* read once the watchdog started; re-read before that */
-static double cfg_fixed_timeout; /* > 0: JITCKPT_TIMEOUT */
+static double cfg_timeout; /* > 0: JITCKPT_TIMEOUT, the ceiling (the timeout itself when fixed) */
+static int cfg_fixed;      /* JITCKPT_TIMEOUT_FIXED */
 static double cfg_mult = 5.0, cfg_floor = 30.0;
 static _Atomic double longest_s; /* longest completed collective (written by the watchdog thread) */
 
 static void read_timeout_config(void) {
-  cfg_fixed_timeout = ji_env_num("JITCKPT_TIMEOUT", 0);
+  cfg_timeout = ji_env_num("JITCKPT_TIMEOUT", 0);
+  cfg_fixed = ji_env_num("JITCKPT_TIMEOUT_FIXED", 0) != 0;
   cfg_mult = ji_env_num("JITCKPT_TIMEOUT_MULT", 5.0);
   cfg_floor = ji_env_num("JITCKPT_TIMEOUT_FLOOR", 30.0);
 }
@@ -54,9 +59,10 @@ void ji_watch_configure(void) {
 }
 
 double ji_watch_timeout(void) {
-  if (cfg_fixed_timeout > 0) return cfg_fixed_timeout;
+  if (cfg_fixed && cfg_timeout > 0) return cfg_timeout;
   double t = cfg_mult * atomic_load_explicit(&longest_s, memory_order_relaxed);
-  return t < cfg_floor ? cfg_floor : t;
+  if (t < cfg_floor) t = cfg_floor;
+  return cfg_timeout > 0 && t > cfg_timeout ? cfg_timeout : t;
 }
 
 void ji_watch_completed(double seconds) {

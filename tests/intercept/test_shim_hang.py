@@ -184,6 +184,26 @@ def test_adaptive_timeout_follows_longest_collective(tmp_path: Path) -> None:
         assert e["t"] - t_kill <= e["timeout_s"] + 1.0
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["ceiling", "fixed"])
+def test_timeout_is_a_ceiling_unless_fixed(tmp_path: Path, fixed: bool) -> None:
+    """The rule jitrun sets (jitckpt/hang_bound.py, docs/hangs.md):
+    JITCKPT_TIMEOUT caps the adaptive timeout max(floor, MULT x longest);
+    with JITCKPT_TIMEOUT_FIXED=1 it is the timeout itself."""
+    ceiling = 6.0
+    with st.Job(tmp_path) as job:
+        procs = _start(job, tmp_path, 2, JITCKPT_TIMEOUT=str(ceiling), JITCKPT_TIMEOUT_FIXED=str(int(fixed)),
+                       JITCKPT_TIMEOUT_FLOOR="0.3", JITCKPT_TIMEOUT_MULT="4", JITCKPT_ON_HANG="exit")
+        assert st.wait_for(lambda: all(st.progress(tmp_path, r) >= 200 for r in range(2)), 20)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=ceiling + 10) == 75, job.output("rank0")
+        e = st.events(tmp_path / "events.0")[0]
+        assert e["event"] == "hang"
+        if fixed:
+            assert e["timeout_s"] == ceiling, e
+        else:
+            assert 0.3 <= e["timeout_s"] < ceiling, e  # learned from the fast collectives, under the ceiling
+
+
 def test_abort_mode_unblocks_the_application(tmp_path: Path) -> None:
     """JITCKPT_ON_HANG=abort: after reporting, the shim aborts the
     communicators; the blocked calls return and the application sees an NCCL

@@ -1,0 +1,105 @@
+"""A rank's collective waits, timed and published for its agent.
+
+The hooks (hooks.py) mark where the main thread may wait for its peers once
+training runs: an explicit collective, DDP's forward (its buffer broadcast),
+the backward pass (DDP's gradient all-reduces), ``Work.wait``. Each
+outermost such region counts one collective (``seq``: every rank enters the
+same sequence of them) and its duration feeds the hang bound
+(hang_bound.py), with each minibatch's duration. The record the agent reads
+(rank_status.py) says whether the rank waits, since when, and under which
+bound; the agent does the rest (launcher/recovery/hang.py).
+
+Main thread, except ``beat`` (the watcher thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .hang_bound import HangBound, Rule
+from .rank_status import StatusWriter
+
+WORLD = "world"
+REFRESH_EVERY = 10  # minibatches between recomputations of the bound, once it settled
+
+
+def group_key(group: object) -> str:
+    """The process group a collective runs in, as a key of the bound's windows."""
+    if group is None:
+        return WORLD
+    name = getattr(group, "group_name", None)
+    return name if isinstance(name, str) and name else f"group-{id(group)}"
+
+
+class Waits:
+    def __init__(self, root: Path, rank: int, attempt: int, rule: Rule) -> None:
+        self.model = HangBound(rule)
+        self.status = StatusWriter(root, rank, attempt)
+        self._depth = 0
+        self._group = WORLD
+        self._since = 0.0
+        self._bounds: dict[str, float] = {}
+        self._refresh()
+
+    def _refresh(self) -> None:
+        m = self.model
+        self._bounds = {g: m.bound(g) for g in [WORLD, *m.groups()]}
+        self.status.typical_s = m.typical()
+
+    def _bound(self, group: str) -> float:
+        b = self._bounds.get(group)
+        if b is None:
+            b = self._bounds[group] = self.model.bound(group)
+        return b
+
+    def enter(self, group: object = None) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        s = self.status
+        self._group = group_key(group)
+        self._since = s.wait_since = time.monotonic()
+        s.seq += 1
+        s.bound_s = self._bound(self._group)
+        s.flush()
+
+    def leave(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        self.model.observe_wait(self._group, time.monotonic() - self._since)
+        self.status.wait_since = 0.0
+        self.status.flush()
+
+    def minibatch(self, seconds: float | None, steps: int) -> None:
+        """A minibatch ended (``seconds``: its duration, None for the first)."""
+        if seconds is not None:
+            self.model.observe_minibatch(seconds)
+        else:
+            self.model.minibatches += 1
+        n = self.model.minibatches
+        if n <= REFRESH_EVERY * 2 or n % REFRESH_EVERY == 0:  # a few sorts of 200 numbers: not every step
+            self._refresh()
+        self.status.steps = steps
+        self.status.bound_s = self._bounds[WORLD]
+        self.status.flush()
+
+    def beat(self) -> None:
+        self.status.beat()
+
+    @contextmanager
+    def delay(self, seconds: float) -> Iterator[None]:
+        s = self.status
+        before = s.delay_until
+        s.delay_until = max(before, time.monotonic() + seconds)
+        s.flush()
+        try:
+            yield
+        finally:
+            s.delay_until = before
+            s.flush()

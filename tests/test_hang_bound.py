@@ -1,0 +1,252 @@
+"""The hang bound's rule (jitckpt/hang_bound.py), the status record the agent
+reads (jitckpt/rank_status.py) and the agent's verdict on a suspicion
+(launcher/recovery/hang.py assess): pure parts, fed numbers."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from jitckpt import contract
+from jitckpt.hang_bound import FLOOR_S, MULT, STARTUP_S, HangBound, Rule, parse_timeout, quantile
+from jitckpt.rank_status import StatusReader, StatusWriter
+from launcher.recovery.hang import Facts, assess
+
+
+def warm(m: HangBound, n: int = 50, mb: float = 0.1) -> HangBound:
+    for _ in range(n):
+        m.observe_minibatch(mb)
+    return m
+
+
+def test_startup_bound_then_floor():
+    m = HangBound()
+    assert m.bound() == STARTUP_S  # nothing seen: compilation, warm-up, the loader's start
+    warm(m, n=2, mb=0.01)
+    assert m.bound() == FLOOR_S  # fast minibatches: the floor
+
+
+def test_bound_follows_the_high_quantile():
+    m = warm(HangBound(), mb=0.5)
+    assert m.bound() == pytest.approx(MULT * 0.5)
+    for _ in range(100):
+        m.observe_wait("world", 0.8)  # waiting for a straggler every minibatch
+    assert m.bound("world") == pytest.approx(MULT * 0.8)
+    assert m.bound("other") == pytest.approx(MULT * 0.5)  # per process group
+    assert m.bound() == pytest.approx(MULT * 0.8)  # the longest over every group
+
+
+def test_one_outlier_does_not_move_it_recurring_ones_do():
+    m = warm(HangBound(), n=199, mb=0.1)
+    m.observe_minibatch(30.0)  # one long evaluation among 200
+    assert m.bound() < 2 * FLOOR_S
+    for _ in range(10):
+        m.observe_minibatch(3.0)  # an evaluation every 20 minibatches
+    assert m.bound() == pytest.approx(MULT * 3.0, rel=0.05)
+
+
+def test_jitter_stays_within_the_floor():
+    rng = random.Random(0)
+    m = HangBound()
+    for _ in range(200):
+        m.observe_minibatch(0.1 * (1 + rng.uniform(-0.5, 0.5)))
+    assert m.bound() == FLOOR_S
+
+
+def test_ceiling_and_fixed():
+    m = warm(HangBound(Rule(ceiling_s=2.0)), mb=10.0)
+    assert m.bound() == 2.0
+    assert HangBound(Rule(ceiling_s=7.0, fixed=True)).bound() == 7.0
+    with pytest.raises(ValueError, match="fixed:SECONDS"):
+        Rule(fixed=True)
+    with pytest.raises(ValueError, match="floor_s"):
+        Rule(floor_s=0)
+
+
+def test_quantile():
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert quantile([0.0, 10.0], 0.99) == pytest.approx(9.9)
+
+
+@pytest.mark.parametrize("raw,want", [("120", (120.0, False)), ("fixed:5", (5.0, True)), (" FIXED:2.5 ", (2.5, True))])
+def test_parse_timeout(raw, want):
+    assert parse_timeout(raw) == want
+
+
+def test_parse_timeout_rejects():
+    with pytest.raises(ValueError, match="'soon' is not SECONDS or fixed:SECONDS"):
+        parse_timeout("soon")
+
+
+def test_contract_rule_from_environment():
+    env = {"JITCKPT_TIMEOUT": "300", "JITCKPT_TIMEOUT_FLOOR": "0.5"}
+    r = contract.hang_rule(env)
+    assert (r.ceiling_s, r.floor_s, r.mult, r.fixed) == (300.0, 0.5, MULT, False)
+    assert contract.hang_rule({"JITCKPT_TIMEOUT": "9", "JITCKPT_TIMEOUT_FIXED": "1"}).fixed
+    # learned: the groups' own timeout is a backstop past the ceiling; fixed: the timeout itself
+    assert contract.pg_timeout_s(120, shim=False, fixed=False) > 120
+    assert contract.pg_timeout_s(120, shim=False, fixed=True) == 120
+
+
+def test_status_record_roundtrip(tmp_path):
+    w = StatusWriter(tmp_path, 3, attempt=2)
+    r = StatusReader(tmp_path, 3)
+    s = r.read()
+    assert s is not None and (s.pid, s.attempt, s.seq, s.wait_since) == (os.getpid(), 2, 0, 0.0)
+    w.seq, w.wait_since, w.bound_s, w.steps = 7, time.monotonic(), 1.5, 4
+    w.flush()
+    w.beat()
+    s = r.read()
+    assert (s.seq, s.bound_s, s.steps) == (7, 1.5, 4) and 0 <= s.waiting_s(time.monotonic()) < 1
+    assert time.monotonic() - s.heartbeat < 1
+    assert oct((tmp_path / "status" / "rank-3").stat().st_mode & 0o777) == "0o600"
+    StatusWriter(tmp_path, 3, attempt=3)  # a restarted rank replaces the file: the reader follows
+    assert r.read().attempt == 3
+
+
+def _st(tmp_path, rank: int, *, seq: int, waiting: float = 0.0, bound: float = 1.0, beat_age: float = 0.0,
+        delay: float = 0.0):
+    w = StatusWriter(tmp_path, rank, attempt=0)
+    now = time.monotonic()
+    w.seq, w.bound_s = seq, bound
+    w.wait_since = now - waiting if waiting else 0.0
+    w.delay_until = now + delay if delay else 0.0
+    w.flush()
+    from jitckpt.rank_status import _BEAT, _BEAT_AT
+
+    _BEAT.pack_into(w._m, _BEAT_AT, now - beat_age)
+    return StatusReader(tmp_path, rank).read()
+
+
+def test_verdicts(tmp_path):
+    now = time.monotonic() + 0.01
+    waiter = Facts(_st(tmp_path, 0, seq=10, waiting=1.5), "running", False)
+
+    def verdict(lag: Facts, world: int = 2):
+        return assess({0: waiter, 1: lag}, [0], now, world_size=world, ceiling_s=120.0)
+
+    stopped = verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=2), "stopped", False))
+    assert stopped.kind == "hang" and stopped.hung == {1: "stopped"} and stopped.lagging == [1]
+    deaf = verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", False))
+    assert deaf.kind == "hang" and deaf.hung == {1: "deaf"}
+    # silent but a thread waits for a CPU (a loaded machine): alive
+    assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", False, runnable=True)).kind == "stretch"
+    # deaf but computing (one long C call): alive; beating but idle (a data loader, a save): alive
+    assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=1.5), "running", True)).kind == "stretch"
+    assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=0.05), "running", False)).kind == "stretch"
+    assert verdict(Facts(_st(tmp_path, 1, seq=9, beat_age=9, delay=5), "running", False)).kind == "stretch"
+    # one rank still in a collective the other left, both past their bounds, nobody computing: lost, no one
+    # to blame (with a third rank busy elsewhere it would just be waiting for that one)
+    stuck = verdict(Facts(_st(tmp_path, 1, seq=9, waiting=3.0), "running", False))
+    assert stuck.kind == "lost" and not stuck.hung and "#9, #10" in stuck.why, stuck
+    busy = Facts(_st(tmp_path, 2, seq=8), "running", True)
+    third = assess({0: waiter, 1: Facts(_st(tmp_path, 1, seq=9, waiting=3.0), "running", False), 2: busy}, [0],
+                   now, world_size=3, ceiling_s=120.0)
+    assert third.kind == "stretch" and third.lagging == [1, 2], third
+    # every rank in the same collective past its bound, nobody computing: lost
+    lost = verdict(Facts(_st(tmp_path, 1, seq=10, waiting=0.5), "running", False))
+    assert lost.kind == "wait"  # rank 1 is not past its bound yet: look again next tick
+    both = assess({0: waiter, 1: Facts(_st(tmp_path, 1, seq=10, waiting=1.4), "running", False)}, [0, 1], now,
+                  world_size=2, ceiling_s=120.0)
+    assert both.kind == "lost" and not both.hung and not both.lagging
+    # the same on one of two nodes: the laggard is elsewhere
+    assert assess({0: waiter}, [0], now, world_size=2, ceiling_s=120.0).kind == "remote"
+    # past the ceiling, a live laggard is ended too, unless a delay was announced
+    late = Facts(_st(tmp_path, 0, seq=10, waiting=5.0), "running", False)
+    alive = Facts(_st(tmp_path, 1, seq=9), "running", True)
+    assert assess({0: late, 1: alive}, [0], now, world_size=2, ceiling_s=4.0).hung == {
+        1: "no arrival within the ceiling (--jit-timeout)"}
+    said = Facts(_st(tmp_path, 1, seq=9, delay=30), "running", True)
+    assert assess({0: late, 1: said}, [0], now, world_size=2, ceiling_s=4.0).kind == "stretch"
+
+
+def test_waits_publish_the_wait_and_the_announced_delay(tmp_path):
+    from jitckpt.collective_waits import Waits
+
+    w = Waits(tmp_path, 0, attempt=0, rule=Rule(startup_s=4.0))
+    r = StatusReader(tmp_path, 0)
+    w.enter()
+    w.enter("inner")  # nested (a collective inside DDP's forward): one wait
+    s = r.read()
+    assert s.seq == 1 and s.wait_since > 0 and s.bound_s == 4.0
+    w.leave()
+    assert r.read().wait_since > 0
+    w.leave()
+    assert r.read().wait_since == 0.0 and r.read().seq == 1
+    for steps in range(1, 4):
+        w.minibatch(None if steps == 1 else 0.01, steps)
+    assert r.read().bound_s == FLOOR_S and r.read().steps == 3  # past the start-up bound
+    with w.delay(30):
+        assert r.read().delay_until > time.monotonic() + 29
+    assert r.read().delay_until == 0.0
+
+
+def test_expect_delay_api(monkeypatch):
+    import jitckpt
+    from jitckpt import api
+
+    monkeypatch.setattr(api, "_runtime", None)  # the runtime this creates goes with the test
+
+    assert "expect_delay" in jitckpt.__all__
+    with jitckpt.expect_delay(seconds=5):  # not under jitrun: does nothing
+        pass
+    for bad in (0, -1, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError, match="expect_delay: seconds must be"):
+            with jitckpt.expect_delay(seconds=bad):
+                pass
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, dict]] = []
+
+    def emit(self, event: str, **fields) -> None:
+        self.got.append((event, fields))
+
+
+def test_hang_watch_confirms_here_or_asks_the_laggards_node(tmp_path):
+    """Two real processes stand for the ranks (rank 1 SIGSTOPped). On one
+    node the watch confirms the hang; split over two nodes, the waiter's node
+    posts the suspicion and the laggard's node confirms it."""
+    import signal
+    import subprocess
+    import sys
+
+    from launcher.recovery.hang import HangWatch
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        os.kill(kids[1].pid, signal.SIGSTOP)
+        import psutil
+
+        deadline = time.monotonic() + 10
+        while psutil.Process(kids[1].pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stop is delivered when the child is next scheduled
+        pids = {0: kids[0].pid, 1: kids[1].pid}
+        _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
+        _st(tmp_path, 1, seq=9, beat_age=2.0)
+        ev = _Events()
+        one = HangWatch(tmp_path, ev, ceiling_s=120.0, enabled=True)
+        one.new_round(0, {0, 1}, world_size=2)
+        assert one.tick({0: None, 1: None}, pids, {0: 1.0, 1: 1.0}) == {1: "stopped"}
+        (name, d), = ev.got
+        assert name == "hang_detected" and d["lagging"] == [1] and d["waiting"] == {0: pytest.approx(1.5, abs=0.5)}
+
+        posted: list[dict] = []
+        a = HangWatch(tmp_path, _Events(), ceiling_s=120.0, enabled=True)
+        a.new_round(0, {0}, world_size=2)
+        a.post = posted.append
+        assert a.tick({0: None}, {0: kids[0].pid}, {0: 1.0}) is None
+        assert posted and posted[0]["seq"] == 10
+        b = HangWatch(tmp_path, _Events(), ceiling_s=120.0, enabled=True)
+        b.new_round(0, {1}, world_size=2)
+        assert b.tick({1: None}, {1: kids[1].pid}, {1: 1.0}) is None  # nothing suspicious seen here alone
+        assert b.tick({1: None}, {1: kids[1].pid}, {1: 1.0}, suspects=[{**posted[0], "node": "a"}]) == {1: "stopped"}
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
