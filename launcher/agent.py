@@ -84,8 +84,8 @@ class JitAgent(LocalElasticAgent):
         handler = spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
+        self._dropped: set[str] = set()  # rendezvous names of nodes taken as lost (_on_lost)
         rdzv.drop_silent(handler, lambda: self._restorer.silence, self._on_lost)
-        self._dropped: set[str] = set()
         self._target = start_target(rdzv.coordination_store(handler), jit, self._node, events)
 
     # -- reports ------------------------------------------------------------------

@@ -87,14 +87,37 @@ def cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def is_stopped(pid: int) -> bool:
-    """Stopped by a signal (state T), e.g. SIGSTOP."""
+def run_state(pid: int) -> str:
+    """"stopped" (state T, e.g. SIGSTOP), "dead" (gone or a zombie) or "running"."""
     if pid <= 0:
-        return False
+        return "dead"
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        s = psutil.Process(pid).status()
+    except (psutil.Error, ValueError):
+        return "dead"
+    if s == psutil.STATUS_STOPPED:
+        return "stopped"
+    return "dead" if s in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
+
+
+def is_stopped(pid: int) -> bool:
+    return run_state(pid) == "stopped"
+
+
+def has_runnable_thread(pid: int) -> bool:
+    """Whether a thread of ``pid`` is in state R (running or waiting for a CPU):
+    a process that holds the GIL in a busy C loop has one, a blocked one not."""
+    try:
+        tids = [t.id for t in psutil.Process(pid).threads()]
     except (psutil.Error, ValueError):
         return False
+    for tid in tids:
+        try:  # on Linux a thread id is a /proc entry of its own
+            if psutil.Process(tid).status() == psutil.STATUS_RUNNING:
+                return True
+        except (psutil.Error, ValueError):
+            continue
+    return False
 
 
 def alive(pid: int) -> bool:

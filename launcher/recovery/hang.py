@@ -35,7 +35,6 @@ ended by the ceiling, or by the process groups' backstop timeout
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
-
 from jitckpt.rank_status import Status, StatusReader
+
+from ..workers import has_runnable_thread, run_state
 
 if TYPE_CHECKING:
     from ..workers import Proc
@@ -144,32 +143,6 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
     return v
 
 
-def _runnable(pid: int) -> bool:
-    """Whether a thread of ``pid`` is in state R (running or waiting for a CPU)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                if fh.read().rsplit(")", 1)[1].split()[0] == "R":
-                    return True
-        except (OSError, IndexError):
-            continue
-    return False
-
-
-def _state(pid: int) -> str:
-    try:
-        s = psutil.Process(pid).status()
-    except (psutil.Error, ValueError):
-        return "dead"
-    if s == psutil.STATUS_STOPPED:
-        return "stopped"
-    return "dead" if s in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
-
-
 class HangWatch:
     def __init__(self, root: Path, events, *, ceiling_s: float, enabled: bool) -> None:
         self._root = Path(root)
@@ -250,8 +223,8 @@ class HangWatch:
         sus = self._suspicious(st, now)
         if not sus and not suspects:
             return None
-        facts = {r: Facts(st.get(r), _state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now),
-                          bool(pids.get(r)) and _runnable(pids[r]))
+        facts = {r: Facts(st.get(r), run_state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now),
+                          bool(pids.get(r)) and has_runnable_thread(pids[r]))
                  for r in procs if r in self._readers}
         if not sus:
             return self._answer(suspects, facts, now)
