@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-FLOOR_S = 1.0  # no bound below this: scheduler noise, a page fault storm, a GC pause
+# No bound below this (scheduler noise, a page fault storm, a GC pause). Under a second, so that a
+# stopped rank is found within a second of the fault with the agent's 0.1 s tick; a suspicion this
+# early costs nothing, since only a stopped, deaf or dead laggard confirms it (launcher/recovery/hang.py).
+FLOOR_S = 0.8
 MULT = 5.0  # the shim's multiplier on its longest collective, the same rule
 STARTUP_S = 10.0  # the first minibatches: compilation, warm-up, the loader's first batch
 WARMUP = 2  # minibatches under the start-up bound

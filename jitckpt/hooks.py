@@ -35,6 +35,7 @@ Each hook costs one attribute check and a function call on the hot path.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 from datetime import timedelta
@@ -62,11 +63,25 @@ def _waiting(rt: Runtime, group: object = None) -> bool:
     return True
 
 
+def _group_index(fn) -> int | None:
+    """Where ``group`` sits among ``fn``'s positional parameters (None: not there)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("group") if "group" in names else None
+
+
 def _guard(rt: Runtime, fn):
+    at = _group_index(fn)  # once, here: a call's group may be passed by position
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         rt.on_collective()
-        timed = _waiting(rt, kwargs.get("group"))
+        group = kwargs.get("group")
+        if group is None and at is not None and len(args) > at:
+            group = args[at]
+        timed = _waiting(rt, group)
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:

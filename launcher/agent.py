@@ -124,6 +124,7 @@ class JitAgent(LocalElasticAgent):
         self._hang.new_round(self._round, self._local_ranks, worker_group.workers[0].world_size)
         self._hang.post = lambda fields: Reporter(self._worker_store(worker_group), self._jit.token, None).send(
             "hang_suspect", node=self._node.node_id, attempt=self._round, **fields)
+        self._hang.silent_nodes = lambda: self._restorer.silent_peers(self._round, worker_group.group_world_size)
         if self._pending is not None:
             self._pending.rdzv_t = time.time()
         self._restorer.join_round(rdzv.coordination_store(handler), self._round, worker_group.group_rank,

@@ -26,6 +26,7 @@ from . import rdzv
 from .agent import JitAgent
 from .events import EventLog, summary
 from .options import JitOptions
+from .recovery.restore import NodeEvicted
 
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
@@ -111,6 +112,9 @@ def _run(agent: JitAgent, handler, config: LaunchConfig, cmd, cmd_args: list, to
         return 1, True
     except RendezvousClosedError:
         return _waited_out(handler, token), True
+    except NodeEvicted as e:
+        print(e, file=sys.stderr, flush=True)
+        return 1, False  # the job goes on without this node: its rendezvous stays open
     except RendezvousConnectionError as e:
         print(f"jitrun: the job's rendezvous store went away ({e}) before this node learned the job's outcome; "
               "see the other nodes' logs", file=sys.stderr)

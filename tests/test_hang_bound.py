@@ -250,3 +250,61 @@ def test_hang_watch_confirms_here_or_asks_the_laggards_node(tmp_path):
         for k in kids:
             k.kill()
             k.wait()
+
+
+def test_hang_watch_confirms_when_the_laggards_node_is_silent(tmp_path):
+    """Every rank here waits for one on another node: a suspicion to post
+    while that node's agent beats, a lost collective confirmed here once it
+    is silent (its agent cannot answer the suspicion: the whole node is
+    stopped or cut off)."""
+    import subprocess
+    import sys
+
+    from launcher.recovery.hang import HangWatch
+
+    kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
+        ev = _Events()
+        silent: list[str] = []
+        w = HangWatch(tmp_path, ev, ceiling_s=120.0, enabled=True)
+        w.new_round(0, {0}, world_size=2)
+        posted: list[dict] = []
+        w.post = posted.append
+        w.silent_nodes = lambda: list(silent)
+        assert w.tick({0: None}, {0: kid.pid}, {0: 1.0}) is None
+        assert posted and not [e for e, _ in ev.got if e == "hang_detected"]
+        silent.append("node-b")
+        w._due.clear()  # looked at again at once (the watch's own recheck interval is 0.5 s)
+        assert w.tick({0: None}, {0: kid.pid}, {0: 1.0}) == {}
+        (d,) = [d for e, d in ev.got if e == "hang_detected"]
+        assert d["kind"] == "lost" and "node-b" in d["why"]
+    finally:
+        kid.kill()
+        kid.wait()
+
+
+def test_collective_group_given_by_position_or_keyword():
+    """A collective's wait is timed under its own group's bound however the
+    group is passed (``all_reduce(t, op, group)`` as much as ``group=``)."""
+    from types import SimpleNamespace
+
+    from jitckpt import hooks
+    from jitckpt.runtime import Phase
+
+    entered: list[object] = []
+    waits = SimpleNamespace(enter=entered.append, leave=lambda: None)
+    rt = SimpleNamespace(waits=waits, phase=Phase.FWD, on_collective=lambda: None)
+
+    def all_reduce(tensor, op="sum", group=None, async_op=False):
+        return tensor
+
+    def barrier(group=None, async_op=False, device_ids=None):
+        return None
+
+    g = object()
+    hooks._guard(rt, all_reduce)(1, "sum", g)
+    hooks._guard(rt, all_reduce)(1, group=g)
+    hooks._guard(rt, all_reduce)(1)
+    hooks._guard(rt, barrier)(g)
+    assert entered == [g, g, None, g]

@@ -7,13 +7,14 @@ with at most one minibatch redone per failure."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
-from netns import Cluster, Node, Proc
+from netns import Cluster, Node, Proc, signal_all
 
 WHY = Cluster.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
@@ -293,6 +294,41 @@ def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
         assert max(e["round"] for e in rdzv) == 1, "the spare's arrival alone caused no round"
         assert any(e["event"] == "node_lost" for e in evs), job.logs()
         assert any(e["event"] == "loaded" for e in job.events("spare")), job.logs()
+
+
+def test_slow_node_returns_and_changes_nothing(mn_reference):
+    """A whole node (agent and workers) stopped past detection, then
+    continued: the job went on with the spare without waiting for the
+    keep-alive expiry, and the returning node changes nothing: its agent says
+    it was taken as lost and exits 1 without closing the job's rendezvous; the
+    result is bit-identical."""
+    steps = 160
+    ref = mn_reference(2, 2, steps)
+    with Cluster(2) as c:
+        job = Job(c, 2, steps, train=["--step-sleep", "0.1"])
+        job.start_all()
+        job.wait_for_output("agent0", "step    0")
+        spare = c.add_node()
+        job.start(spare, name="spare")
+        job.wait_spare()
+        stopped = c.nodes[1].kill(signal.SIGSTOP)
+        t0 = time.monotonic()
+        job.wait_for_output("agent0", "taken as lost", timeout=60)
+        detected = time.monotonic() - t0
+        time.sleep(detected)  # stopped for twice the time its loss took to be seen
+        assert "trained" not in job.procs["agent0"].output(), "training too short for this test"
+        signal_all(stopped, signal.SIGCONT)
+        codes = job.wait()
+        assert codes == {"agent0": 0, "agent1": 1, "spare": 0}, f"exit codes {codes}\n{job.logs()}"
+        assert "was taken as lost by the job" in job.procs["agent1"].output(), job.logs()
+        assert any(e["event"] == "node_evicted" for e in job.events("agent1")), job.logs()
+        evs = [e for n in ("agent0", "spare") for e in job.events(n)]
+        recs = [e for e in evs if e["event"] == "recovery"]
+        assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, recs
+        detected_ev = [e for e in evs if e["event"] == "hang_detected"]
+        # from the silent agent, not the ceiling (--jit-timeout)
+        assert detected_ev and "stopped answering" in detected_ev[0]["why"], detected_ev
+        assert_same_state(ref, job.out)
 
 
 def test_spare_exits_with_the_jobs_outcome(mn_reference):

@@ -28,9 +28,12 @@ shard is saved. For a lost collective no rank is to blame: every rank saves.
 A laggard on another node is not visible here: the agent posts the
 suspicion once per bound as a sealed report (the reports every agent already
 reads; nothing is sent in steady state), and the laggard's own agent checks
-its ranks and ends a stopped or deaf one. A lost collective across nodes is
-ended by the ceiling, or by the process groups' backstop timeout
-(jitckpt/contract.py pg_timeout_s). Agent's main thread only.
+its ranks and ends a stopped or deaf one. When that agent cannot answer
+because it is itself stopped or cut off (its beat in the store stands still,
+recovery/alive.py), the hang is confirmed here: a whole node is gone. A lost
+collective across nodes with every agent alive is ended by the ceiling, or by
+the process groups' backstop timeout (jitckpt/contract.py pg_timeout_s).
+Agent's main thread only.
 """
 
 from __future__ import annotations
@@ -130,8 +133,8 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
         v.kind = "stretch"  # alive and busy elsewhere, or said so
     elif len(facts) < world_size:
         v.kind = "remote"  # every rank here waits: the laggard is on another node
-    elif any(f.cpu_busy for f in facts.values()):
-        v.kind = "stretch"  # someone still computes inside a collective's region
+    elif any(f.cpu_busy or f.runnable for f in facts.values()):
+        v.kind = "stretch"  # someone still computes inside a collective's region, or waits for a CPU
     elif any(st[r].waiting_s(now) <= st[r].bound_s for r in facts):
         v.kind = "wait"  # a rank is still within its bound: look again next tick
     else:
@@ -158,6 +161,8 @@ class HangWatch:
         self.last: dict[int, Status] = {}  # each rank's newest record of this round
         # sends a suspicion to the other nodes' agents (a sealed report), when the laggard is not here
         self.post: Callable[[dict], None] | None = None
+        # the other nodes of the round whose agents stopped beating (asked only while a laggard is elsewhere)
+        self.silent_nodes: Callable[[], list[str]] | None = None
         self._post_at = 0.0
 
     def new_round(self, round_: int, local_ranks: set[int], world_size: int) -> None:
@@ -231,6 +236,13 @@ class HangWatch:
         v = assess(facts, sus, now, world_size=self._world, ceiling_s=self.ceiling_s)
         if v.kind == "wait":
             return None
+        if v.kind == "remote" and self.silent_nodes is not None:
+            gone = self.silent_nodes()
+            if gone:
+                v.kind, v.why = "lost", (f"the agent of node(s) {', '.join(gone)} stopped answering the job's store: "
+                                         "the laggard's whole node is stopped or cut off")
+                self._confirm(v)
+                return {}
         if v.kind in ("stretch", "remote"):
             self._stretch(v, st, sus, now)
             if v.kind == "remote" and self.post is not None and now >= self._post_at:

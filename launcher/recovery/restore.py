@@ -27,6 +27,15 @@ from .episode import Failure
 STATIC_LOST = ("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) cannot "
                "continue without a lost node or admit a replacement or spare; launch with --rdzv-backend c10d "
                "--rdzv-endpoint HOST:PORT --nnodes MIN:MAX to recover from node loss")
+EVICTED = ("jitrun: ABORT: this node ({node}) was taken as lost by the job in restart round {round}: its agent did "
+           "not answer the job's store after the failure (stopped, cut off or starved) and the job went on without "
+           "it. Its late reports count for nothing and it does not rejoin this job; start jitrun again on this node "
+           "to join as a spare.")
+
+
+class NodeEvicted(Exception):
+    """This node was taken as lost and the job went on without it: its agent
+    leaves without shutting the job's rendezvous down (the job is not over)."""
 
 
 class Restorer:
@@ -56,6 +65,14 @@ class Restorer:
                 self._pulse = alive.Pulse(store, self._jit.token, self._node.node_id, rdzv_node)
                 self.silence = alive.Silence(self.coord.store, self._jit.token)
         self.coord.announce(round_, group_rank)
+
+    def silent_peers(self, round_: int, group_world_size: int) -> list[str]:
+        """The other nodes of ``round_`` whose agents stopped beating (a store
+        read per node: only while a suspected hang's laggard is elsewhere)."""
+        if self.coord is None or self.silence is None:
+            return []
+        ids = [n["node_id"] for n in self.coord.nodes(round_, group_world_size) if n["node_id"] != self._node.node_id]
+        return sorted(self.silence.silent(ids))
 
     def close(self) -> bool:
         """False if the replica server thread would not stop."""
@@ -110,7 +127,9 @@ class Restorer:
         """Set the restore step (``f.restore_step`` and the workers'
         JITCKPT_RESTORE_STEP). Returns (finished, abort): finished when every
         shard has a replica that finished the job before the failure (nothing
-        to restart); abort when a node was lost under the static rendezvous."""
+        to restart); abort when a node was lost under the static rendezvous.
+        Raises NodeEvicted when the job already decided without this node (it
+        was taken as lost and came back)."""
         jit_steps = {int(m["step"]) for m in f.saved.values()}
         abort = False
         if self.coord is None:  # no coordination store: this node's disk is all we know
@@ -124,6 +143,9 @@ class Restorer:
                              done_ranks=done_ranks, last_alive=last_alive, poll=poll)
             if d.complete:
                 return True, False
+            if any(n["node_id"] == self._node.node_id for n in d.lost):
+                self._events.emit("node_evicted", round=round_, decided_by=d.decided_by)
+                raise NodeEvicted(EVICTED.format(node=f"{self._node.node_id}, {self._node.addr}", round=round_))
             abort = bool(d.lost) and static
             step = d.step
             # saved after this failure was seen, on any node (this agent may
