@@ -64,11 +64,13 @@ def test_no_false_alarm(tmp_path, reference, case):
         assert all(min(e["steps"].values()) < 3 for e in stretched), stretched
         return
     # the long wait was suspected, the laggard found alive, and the timeline says so once per wait, not per tick
-    assert 1 <= len(stretched) <= most, stretched
-    for e in stretched:
-        assert e["lagging"] == [laggard], e
+    mine = [e for e in stretched if e["lagging"] == [laggard]]
+    assert 1 <= len(mine) <= most, stretched
+    for e in mine:
         ev = e["evidence"][str(laggard)]
         assert "stopped" not in ev and "no heartbeat" not in ev, e
+    for e in stretched:  # on a loaded machine another rank's short lag may be looked at too: found alive
+        assert all("stopped" not in e["evidence"][str(r)] for r in e["lagging"]), e
 
 
 def _recovered(job: Job, ref, hung_rank: int, why: str) -> dict:
