@@ -185,15 +185,37 @@ def torchrun_reference(tmp: Path, nproc: int, steps: int) -> Path:
     return out
 
 
+def _run_wide_dir(tmp_path_factory, name: str) -> Path:
+    """A directory of this test run shared by its xdist workers (the parent of
+    their base temp dirs, named for the run), or the session's own without xdist."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        return tmp_path_factory.mktemp(name)
+    d = tmp_path_factory.getbasetemp().parent / f"{name}-{uid}"
+    d.mkdir(exist_ok=True)
+    return d
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Final states of failure-free plain-torchrun runs, computed once per (nproc, steps)."""
+    """Final states of failure-free plain-torchrun runs, computed once per
+    (nproc, steps) per test run: the first xdist worker to need one computes it
+    under a lock, the others wait for it and read the same file."""
+    import fcntl
+
     cache: dict[tuple[int, int], Path] = {}
-    base = tmp_path_factory.mktemp("reference")
+    base = _run_wide_dir(tmp_path_factory, "reference")
 
     def get(nproc: int, steps: int = 16) -> Path:
         if (nproc, steps) not in cache:
-            cache[(nproc, steps)] = torchrun_reference(base, nproc, steps)
+            out = base / f"reference-{nproc}-{steps}.pt"
+            with open(base / f"reference-{nproc}-{steps}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not out.exists():
+                    work = Path(tempfile.mkdtemp(dir=base))
+                    torchrun_reference(work, nproc, steps).rename(out)
+                    shutil.rmtree(work)
+            cache[(nproc, steps)] = out
         return cache[(nproc, steps)]
 
     return get
