@@ -77,6 +77,8 @@ def parse_code(text: str | None) -> tuple[int, int] | None:
 
 _group_lock = threading.Lock()
 _group: Group | None = None
+_generation = 0  # groups let go so far (release_group): part of the next group's store prefix
+_snapshotter: Snapshotter | None = None  # this process's, for release_group
 
 
 class Group:
@@ -96,7 +98,7 @@ class Group:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         # the attempt in the prefix: the agent's store outlives a round, this group does not
-        prefix = dist.PrefixStore(f"jitckpt-ec/{job}/{attempt}", store)
+        prefix = dist.PrefixStore(f"jitckpt-ec/{job}/{attempt}/{_generation}", store)
         self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, timedelta(seconds=timeout_s))
         self._store = store  # keep the client alive as long as the group
         topo = self.allgather_ints([self.node, self.local_rank])
@@ -143,6 +145,20 @@ def ec_group(timeout_s: float) -> Group:
         return _group
 
 
+def release_group(idle_timeout_s: float = 30.0) -> None:
+    """Let the EC group go, and with it its gloo sockets and store client: a CRIU dump cannot
+    carry inet sockets, and the moved rank's peers rebuild with it (migrate_worker.teardown).
+    Every rank calls it at the same minibatch start, once the version in flight, if any, is
+    done; the next snapshot builds a new group under a new store prefix."""
+    global _group, _generation
+    snap = _snapshotter
+    if snap is not None and not snap.wait_idle(idle_timeout_s):
+        log(f"rank {snap.rank}: an EC snapshot still runs after {idle_timeout_s:g} s; its group is let go anyway")
+    with _group_lock:
+        _group = None
+        _generation += 1
+
+
 def group_timeout() -> float:
     return contract.ec_op_timeout_s(contract.TIMEOUT.get())
 
@@ -173,6 +189,8 @@ class Snapshotter:
         self.stall_s: list[float] = []
         self.stall_cpu_s: list[float] = []
         self.bg_cpu_s: list[float] = []
+        global _snapshotter
+        _snapshotter = self
 
     # main thread -----------------------------------------------------------------
 
@@ -224,6 +242,15 @@ class Snapshotter:
         self.stall_cpu_s.append(time.thread_time() - c0)
         self._q.put((step, stage))
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every version handed to the thread is done (False: not within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while self._q.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def drain(self, timeout_s: float = 30.0) -> None:
         """At process exit: let the snapshot in flight finish (all ranks end after the same steps)."""
         if self._started and not self.disabled:
@@ -250,6 +277,7 @@ class Snapshotter:
         while True:
             item = self._q.get()
             if item is None:
+                self._q.task_done()
                 return
             step, stage = item
             c0 = time.thread_time()
@@ -266,6 +294,7 @@ class Snapshotter:
                 if stage is not None:
                     shutil.rmtree(stage, ignore_errors=True)
                     self.busy.clear()
+                self._q.task_done()
 
     def _version(self, step: int, stage: Path | None) -> None:
         from . import ec as _ec

@@ -277,8 +277,9 @@ class Runtime:
         self._migration = watch
         if store is not None:  # this rank moved: its new store client
             self.reporter = Reporter(store, self.cfg.token, self.cfg.rank)
+        digest = self.verifier.after_migration(gen) if self.verifier is not None else None
         self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
-                    pid=os.getpid(), node=contract.NODE.get() or None)
+                    pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)
 
     def _migration_ctl(self) -> Path:
         return Path(self.cfg.root or ".") / "migrate" / "ctl"

@@ -162,6 +162,27 @@ class Verifier:
             self.rt.report("verify_off", step=self.rt.steps_done, why=why)
         self._say(f"replica state checks turned off for this job: {why}")
 
+    def after_migration(self, gen: int) -> str | None:
+        """Every rank at the minibatch start where migration ``gen`` put the moved ranks back
+        (restored from their CRIU images): the replicas compare again, and a mismatch is handled
+        as at a periodic check (repaired, rolled back to the staged state, or refused). This
+        rank's verified digest (None: not checked)."""
+        if self.off or self.rt.reporter is None:
+            return None
+        step = self.rt.steps_done
+        try:
+            _, verdict = self._compare("migration", gen)
+        except Exception as e:  # a peer failed meanwhile: the JIT save handles it, as for a periodic check
+            self.rt.request_save(f"replica check after migration {gen} failed: {type(e).__name__}: {e}")
+            return None
+        if verdict.ok:
+            return verdict.digests.get(self.rt.shard)
+        if not self.ever_ok:
+            self._turn_off(verdict, f"after migration {gen}, before any periodic check passed")
+        else:
+            self._mismatch(step, verdict)
+        return None
+
     # -- every N minibatches -------------------------------------------------------------------
 
     def at_minibatch_start(self, collective: bool) -> None:

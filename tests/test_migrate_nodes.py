@@ -64,9 +64,10 @@ def _migrate(job: Job, agent: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
 
 
-def _start(c: Cluster, nproc: int, env: dict | None = None, spare: bool = True) -> tuple[Job, object]:
+def _start(c: Cluster, nproc: int, env: dict | None = None, spare: bool = True,
+           extra: tuple[str, ...] = ()) -> tuple[Job, object]:
     job = Job(c, nproc, STEPS, nnodes=2, train=[*TRAIN, "--init-log", str(c.dir / "init.log")],
-              extra=["--jit-migratable", "on"])
+              extra=["--jit-migratable", "on", *extra])
     for node in c.nodes[:2]:
         job.start(node, env=env)
     _wait_rank_output(job, "agent0", 0, "step   10")
@@ -95,7 +96,8 @@ def test_one_rank_migrates_to_a_third_node(nproc, mn_reference, criu_ok):  # noq
     ref = mn_reference(2, nproc, STEPS)
     moved = 2 * nproc - 1  # the last rank: on node 1
     with Cluster(2, tag="mr") as c:
-        job, spare = _start(c, nproc)
+        # EC snapshots from step 5 on: their gloo group of its own is let go for the dump too
+        job, spare = _start(c, nproc, extra=("--jit-ec-every", "5"))
         cp = _migrate(job, "agent1", "--rank", str(moved), "--to", spare.addr)
         assert cp.returncode == 0, cp.stdout + cp.stderr + job.logs()
         evs = _finish(job)
@@ -113,6 +115,9 @@ def test_one_rank_migrates_to_a_third_node(nproc, mn_reference, criu_ok):  # noq
         # every rank paused at the same minibatch start and went on from it: none redone
         paused = {e["rank"]: e["step"] for e in evs if e["event"] in ("migrating", "migration_resumed", "migrated")}
         assert len(set(paused.values())) == 1, paused
+        # the replicas compared their states after the move, before the next step: one digest
+        fps = {e["rank"]: e.get("fingerprint") for e in evs if e["event"] in ("migration_resumed", "migrated")}
+        assert len(fps) == 2 * nproc and None not in fps.values() and len(set(fps.values())) == 1, fps
 
 
 def test_whole_node_migrates_to_a_third_node(mn_reference, criu_ok):  # noqa: F811
