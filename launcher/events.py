@@ -11,7 +11,9 @@ checkpoint, stop, decision, rendezvous, process_start, import_and_init,
 checkpoint_load, first_minibatch seconds, consecutive), job_end; and for the
 job-wide path: rendezvous (round, group rank, this node's ranks),
 restore_decision (the job's step, the nodes holding it, lost nodes),
-replica_fetched / replica_fetch_failed (peer transfer), loaded (the step a
+replica_fetched (with ``via``: stream or store) / replica_fetch_failed /
+replica_fetch_fallback (peer transfer; the last: why a source's bytes went
+through the store instead of the direct stream), loaded (the step a
 rank actually loaded, and the state digest its replicas verified:
 ``fingerprint``), state_divergence, spare_waiting. The replicas' state checks
 (jitckpt/verifier.py): state_mismatch (replicas hold different states: after a
@@ -61,9 +63,9 @@ def summary(events: list[dict]) -> str:
     for e in events:
         if e["event"] in ("fault_injected", "failure_detected", "hang_detected", "checkpoint_saved",
                           "checkpoint_failed", "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
-                          "restore_decision", "replica_fetched", "replica_fetch_failed", "state_divergence",
-                          "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect", "state_repaired",
-                          "verify_off"):
+                          "restore_decision", "replica_fetched", "replica_fetch_failed", "replica_fetch_fallback",
+                          "state_divergence", "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect",
+                          "state_repaired", "verify_off"):
             detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error", "node")}
             where = f"[{e['node']}] " if multi and e.get("node") else ""
             lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")

@@ -1,7 +1,8 @@
 """The bulk image stream between two agents: one TCP connection from the
 source agent to a listener on the target's job address, a header sealed under
 the job token naming the transfer and its files (name, size), then the bytes
-spliced into place. Used by migration (CRIU images, the worker's output file).
+spliced into place. Used by migration (CRIU images, the worker's output file)
+and by the restore path's replica fetch (``transfer``).
 
 The listener reads every connection's header as it comes (non-blocking), so a
 peer that connects and sends nothing delays no real sender; names are checked
@@ -22,17 +23,22 @@ from pathlib import Path
 from jitckpt import auth
 
 from . import peer_files
-from .transfer import TransferError
+
+
+class TransferError(RuntimeError):
+    """A transfer between agents failed or was refused (the store's chunks or this stream)."""
+
 
 # Through the store every byte would pass the rendezvous host's process twice. The
 # receiver listens on its node's job address (--local-addr) and announces the port in
 # the store; the sender connects and sends one JSON header line, {"tid", "files":
 # [[name, size], ...], "mac"} (the MAC under the job token, never the token), then the
 # files' bytes back to back. The receiver knows the file list already (from the sealed
-# request); a connection whose header does not verify, names another transfer or
-# another list is closed and the wait goes on. Headers are read from every connection
-# at once, so an idle one cannot hold the listener, and the whole transfer has one
-# deadline, so a sender that trickles is cut off at it.
+# request, or for a replica from the source's sealed announcement); a connection whose
+# header does not verify, names another transfer or another list is closed and the
+# wait goes on. Headers are read from every connection at once, so an idle one cannot
+# hold the listener, and the whole transfer has one deadline, so a sender that
+# trickles is cut off at it.
 
 STREAM_BUF = 8 << 20
 # Both ends run as threads of an agent (on one node, the same agent): Python's
@@ -65,15 +71,35 @@ def _header(token: str, tid: str, files: list) -> dict:
     return {**body, "mac": auth.of(token).mac(f"stream/{tid}", body)}
 
 
+def connect(addr: str, port: int, timeout_s: float) -> socket.socket:
+    """A connection to a receiver's listener, made within ``timeout_s``; TransferError
+    when it cannot be made (nothing listens there, a firewall, a wrong address)."""
+    try:
+        return socket.create_connection((addr, port), timeout=timeout_s)
+    except OSError as e:
+        raise TransferError(f"streaming to {addr}:{port} failed: cannot connect ({e})") from None
+
+
 def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[str, Path]],
                 timeout_s: float) -> int:
     """Send ``files`` (name, path) to a receiver's :func:`recv_stream`; returns bytes sent."""
-    sizes = [(rel, path.stat().st_size) for rel, path in files]
-    header = json.dumps(_header(token, tid, sizes)).encode() + b"\n"
-    try:
-        with socket.create_connection((addr, port), timeout=timeout_s) as conn:
+    return send_on(connect(addr, port, timeout_s), token, tid, files, timeout_s)
+
+
+def send_on(conn: socket.socket, token: str, tid: str, files: list[tuple[str, Path]], timeout_s: float) -> int:
+    """Send ``files`` (name, path) over ``conn`` (from :func:`connect`, closed here) to a
+    receiver's :func:`recv_stream` or :class:`Incoming`; returns bytes sent. Every send
+    and the final wait for the receiver stall at most ``timeout_s``."""
+    with conn:
+        try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "the receiver"
+        try:
+            sizes = [(rel, path.stat().st_size) for rel, path in files]
             _kernel_timeouts(conn, timeout_s)
-            conn.sendall(header)
+            conn.sendall(json.dumps(_header(token, tid, sizes)).encode() + b"\n")
             sent = 0
             for rel, path in files:
                 with open(path, "rb") as fh:
@@ -87,8 +113,8 @@ def send_stream(addr: str, port: int, token: str, tid: str, files: list[tuple[st
             conn.shutdown(socket.SHUT_WR)
             conn.recv(1)  # the receiver closes once it has everything on disk
             return sent
-    except OSError as e:
-        raise TransferError(f"streaming to {addr}:{port} failed: {e}") from None
+        except OSError as e:
+            raise TransferError(f"streaming to {peer} failed: {e}") from None
 
 
 HEADER_LIMIT = 1 << 20
@@ -175,20 +201,45 @@ def recv_stream(srv: socket.socket, token: str, tid: str, files: list[tuple[str,
     crashes meanwhile fails the migration whatever is on its disk. An fsync would
     write every page to a disk-backed jit dir (0.6 s for 240 MB here) and the
     deletion right after the restore would have made that write useless."""
-    deadline = time.monotonic() + timeout_s
-    conn, rest = _accept_sender(srv, token, tid, files, deadline)
-    with conn:
-        _recv_files(conn, tid, files, rest, base, deadline)
+    with Incoming(srv, token, tid, files, time.monotonic() + timeout_s) as inc:
+        inc.take(files, base)
     return files
 
 
-def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, base: Path, deadline: float) -> None:
-    """The announced ``files`` from ``conn`` into new files (0600, unsynced: see
-    recv_stream): first what came with the header, then the socket's bytes moved by
-    splice() through a pipe (no copy through Python, one GIL hand-over per MiB), or,
-    where splice is missing, recv(MSG_WAITALL) of STREAM_BUF bytes at a time. Every
-    read waits at most until ``deadline`` (monotonic)."""
-    early = memoryview(early_bytes)  # small files: several can come with the header's first recv
+class Incoming:
+    """The sender of transfer ``tid`` accepted on ``srv`` (its header announcing
+    ``files``, as for :func:`recv_stream`), its files then taken in parts, in the
+    announced order, so that the receiver can check the first ones (a manifest)
+    before it writes the rest. One ``deadline`` (monotonic) for everything; ``sync``:
+    fsync every file (what must survive a crash of this node)."""
+
+    def __init__(self, srv: socket.socket, token: str, tid: str, files: list[tuple[str, int]], deadline: float,
+                 *, sync: bool = False) -> None:
+        self._conn, rest = _accept_sender(srv, token, tid, files, deadline)
+        self._early = memoryview(rest)
+        self._tid, self._deadline, self._sync = tid, deadline, sync
+
+    def take(self, files: list[tuple[str, int]], base: Path) -> None:
+        """The next ``files`` of the announced list into new files under ``base``."""
+        self._early = _recv_files(self._conn, self._tid, files, self._early, base, self._deadline, self._sync)
+
+    def close(self) -> None:
+        self._conn.close()  # the sender's final wait ends here
+
+    def __enter__(self) -> Incoming:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _recv_files(conn: socket.socket, tid: str, files: list, early: memoryview, base: Path, deadline: float,
+                sync: bool) -> memoryview:
+    """The announced ``files`` from ``conn`` into new files (0600, fsynced if ``sync``):
+    first what came before (``early``; returns what of it is left), then the socket's
+    bytes moved by splice() through a pipe (no copy through Python, one GIL hand-over
+    per MiB), or, where splice is missing, recv(MSG_WAITALL) of STREAM_BUF bytes at a
+    time. Every read waits at most until ``deadline`` (monotonic)."""
     pipe = _splice_pipe()
     view = memoryview(bytearray(STREAM_BUF)) if pipe is None else None
     try:
@@ -226,11 +277,14 @@ def _recv_files(conn: socket.socket, tid: str, files: list, early_bytes: bytes, 
                     if not n:
                         raise TransferError(f"transfer {tid}: the sender stopped {left} bytes short in {rel}")
                     left -= n
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
     finally:
         if pipe is not None:
             _close_pipe(pipe)
+    return early
 
 
 _PIPE_BYTES = 1 << 20  # the default /proc/sys/fs/pipe-max-size

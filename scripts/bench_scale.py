@@ -25,10 +25,12 @@ Threads share one interpreter: the simulation's own Python work (sealing,
 JSON, the rendezvous state's pickling) is serialized on one core, so the times
 are an upper bound of what N real agents, each with its own CPU, would take.
 
-Replica transfer (``--xfer-mib``): one replica file moved between two agents
-through the store in ``launcher.transfer``'s 4 MiB chunks, and through the
-direct token-checked stream of ``launcher.stream``; the bytes are checked
-against the sender's sha256 both times.
+Replica fetch (``--xfer-mib``): one replica of that size fetched by the
+function the restoring agent calls (``launcher.transfer.ensure_local``, answered
+by a ``ReplicaServer`` on its own store connection): over the direct
+token-checked stream (``launcher.stream``), and through the store in 4 MiB
+chunks (the path when a source cannot reach the requester); both copies
+fsynced and checked against the replica's manifest.
 
 Usage: python scripts/bench_scale.py [--nodes 2,8,32,128,256] [--xfer-mib 1024]
 """
@@ -377,88 +379,75 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
 # -- replica transfer: through the store vs. the direct stream ------------------------------------
 
 
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+XFER_JOB = "bench-xfer"
 
 
-def _make_replica(d: Path, mib: int) -> Path:
-    src = d / "model.pt"
+def _make_replica(root: Path, mib: int) -> dict:
+    """A published replica (one file of ``mib`` MiB) of step 1, shard 0, as a save
+    leaves it; its source record as the restore decision carries it."""
+    from jitckpt import layout
+
+    tmp = layout.staging_dir(root, 1, "0", 0)
     block = os.urandom(1 << 20)
-    with open(src, "wb") as fh:
+    with open(tmp / "model.pt", "wb") as fh:
         for _ in range(mib):
             fh.write(block)
-    return src
+    rep = layout.publish(tmp, root=root, step=1, shard="0", rank=0, world_size=1, job_id=XFER_JOB)
+    return {"rank": 0, "manifest_sha256": layout.sha256_file(rep / layout.MANIFEST)}
 
 
-def _timed(send, recv) -> float:
-    """Run ``send`` in a thread and ``recv`` here; the seconds until both are done."""
-    err: list[BaseException] = []
-
-    def go() -> None:
-        try:
-            send()
-        except BaseException as e:
-            err.append(e)
-
-    t0 = time.monotonic()
-    th = threading.Thread(target=go, daemon=True)
-    th.start()
-    recv()
-    th.join()
-    if err:
-        raise err[0]
-    return time.monotonic() - t0
-
-
-def _via_store(port: int, tally: Tally, token: str, tid: str, src: Path, size: int, dst: Path) -> float:
+def _restore_fetch(port: int, token: str, src_root: Path, source: dict, dst: Path, listen: str | None) -> dict:
+    """One ``transfer.ensure_local`` as the restoring agent calls it, from the
+    ``ReplicaServer`` of node ``source["node_id"]`` (its own store connection; a node
+    name of its own: an agent's requests are numbered per node), every store call of
+    both counted; ``listen``: the requester's address for the direct stream (None:
+    the store path)."""
+    from jitckpt import layout
     from launcher import transfer
 
-    a, b = client(port, tally, "decide"), client(port, tally, "decide")
-    return _timed(lambda: transfer.send_files(a, token, tid, [(src.name, src)]),
-                  lambda: transfer.recv_files(b, token, tid, [(src.name, size)], dst, time.monotonic() + 600))
-
-
-def _via_stream(token: str, tid: str, src: Path, size: int, dst: Path) -> float:
-    from launcher import stream
-
-    with stream.listen("127.0.0.1") as lsn:
-        port = lsn.getsockname()[1]
-        return _timed(lambda: stream.send_stream("127.0.0.1", port, token, tid, [(src.name, src)], 600),
-                      lambda: stream.recv_stream(lsn, token, tid, [(src.name, size)], dst, 600))
+    tally = Tally()
+    serving, fetching = client(port, tally, "decide"), client(port, tally, "decide")
+    server = transfer.ReplicaServer(serving, token, source["node_id"], src_root, XFER_JOB).start()
+    events: list[dict] = []
+    try:
+        t0 = time.monotonic()
+        path, errors, _ = transfer.ensure_local(
+            fetching, token, root=dst, job_id=XFER_JOB, step=1, shard="0", sources=[source], self_node="B",
+            timeout_s=600, listen_addr=listen, emit=lambda ev, **f: events.append({"event": ev, **f}))
+        secs = time.monotonic() - t0
+        msgs, nbytes = tally.msgs["decide"], tally.bytes["decide"]
+    finally:
+        server.stop(fetching)
+    if path is None:
+        raise RuntimeError(f"the fetch failed: {errors}")
+    [done] = [e for e in events if e["event"] == "replica_fetched"]
+    t1 = time.monotonic()
+    verified = isinstance(layout.verify(path, XFER_JOB), layout.Replica)
+    size = done["bytes"]
+    return {"via": done["via"], "seconds": round(secs, 3), "MB_per_s": round(size / 1e6 / secs, 1),
+            "store_msgs": msgs, "store_MB": round(nbytes / 1e6, 1), "verify_s": round(time.monotonic() - t1, 3),
+            "verified": verified, "fallbacks": [e["why"] for e in events if e["event"] == "replica_fetch_fallback"]}
 
 
 def bench_transfer(mib: int) -> dict:
-    """One replica file of ``mib`` MiB between two agents: through the coordination
-    store in 4 MiB chunks (``transfer.send_files``/``recv_files``) and over
-    ``stream.send_stream``/``recv_stream``; each received copy checked by sha256."""
+    """A replica of ``mib`` MiB fetched by the restore path's own function
+    (``transfer.ensure_local``, answered by a ``transfer.ReplicaServer``): over the
+    direct stream (a listener on 127.0.0.1) and through the store in 4 MiB chunks (no
+    listener: the path a source takes when it cannot reach the requester). Both
+    include what the agent does with a copy: fsync, the sha256 of every file against
+    the manifest, the rename; ``verify_s`` is that check alone, repeated afterwards
+    on the fetched copy."""
     token = secrets.token_hex(16)
     out: dict = {"mib": mib}
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         d = Path(tmp)
-        src = _make_replica(d, mib)
-        want, size = _sha(src), src.stat().st_size
+        source = _make_replica(d / "a", mib)
         srv = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-        for how in ("store", "stream"):
-            dst = d / how
-            dst.mkdir()
-            tid = secrets.token_hex(8)
-            if how == "store":
-                tally = Tally()
-                secs = _via_store(srv.port, tally, token, tid, src, size, dst)
-                out["store_msgs"] = tally.msgs["decide"]
-            else:
-                secs = _via_stream(token, tid, src, size, dst)
-            t1 = time.monotonic()
-            ok = _sha(dst / "model.pt") == want
-            out[how] = {"seconds": round(secs, 3), "MB_per_s": round(size / 1e6 / secs, 1),
-                        "sha256_s": round(time.monotonic() - t1, 3), "sha256_ok": ok}
-            (dst / "model.pt").unlink()
-            if not ok:
-                raise RuntimeError(f"the {how} transfer delivered other bytes than were sent")
+        for how, listen in (("stream", "127.0.0.1"), ("store", None)):
+            got = _restore_fetch(srv.port, token, d / "a", {"node_id": f"A-{how}", **source}, d / how, listen)
+            if got["via"] != how or not got["verified"]:
+                raise RuntimeError(f"the {how} fetch went {got['via']} or did not verify: {got}")
+            out[how] = got
         del srv
     return out
 
@@ -542,9 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, out.with_suffix(".png"))
     xfer = bench_transfer(args.xfer_mib) if args.xfer_mib > 0 else None
     if xfer:
-        print(f"replica transfer of {xfer['mib']} MiB: through the store {xfer['store']['MB_per_s']} MB/s "
-              f"({xfer['store']['seconds']} s, {xfer['store_msgs']} store calls); direct stream "
-              f"{xfer['stream']['MB_per_s']} MB/s ({xfer['stream']['seconds']} s); sha256 checked both times")
+        st, so = xfer["stream"], xfer["store"]
+        print(f"replica fetch of {xfer['mib']} MiB (transfer.ensure_local, as the restoring agent): direct stream "
+              f"{st['MB_per_s']} MB/s ({st['seconds']} s, {st['store_msgs']} store calls, {st['store_MB']} MB "
+              f"through the store); through the store {so['MB_per_s']} MB/s ({so['seconds']} s, {so['store_msgs']} "
+              f"store calls, {so['store_MB']} MB); both copies fsynced and verified (sha256 of the files against "
+              f"the manifest: {st['verify_s']} s / {so['verify_s']} s of that)")
     _write(out, args, rows, xfer)
     if rows:
         print(plot(rows, out.with_suffix(".png")))

@@ -471,11 +471,12 @@ def test_bench_recovery_dispatches_multinode(monkeypatch):
 
 def test_bench_scale_tiny(tmp_path):
     """Two and five simulated nodes, one failed, a spare admitted, and a small replica
-    moved both ways. The bench itself raises (exit 1) unless every survivor reads the
+    fetched both ways. The bench itself raises (exit 1) unless every survivor reads the
     same decision (the failure's step, the failed node lost) and every node is re-admitted;
     here: every store call counted, the decision's messages grow linearly with the nodes
     (13 calls per survivor, 3 for the spare; a round trip per peer record made them grow
-    as N^2), and both transfers delivered the sent bytes."""
+    as N^2), and both fetches delivered a verified copy, the stream's without its bytes
+    passing the store."""
     out = tmp_path / "scale"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_scale.py"), "--nodes", "2,5", "--xfer-mib", "8",
@@ -490,9 +491,12 @@ def test_bench_scale_tiny(tmp_path):
         assert t["rdzv"]["msgs"] > 0 and t["reports"]["msgs"] > 0 and t["rdzv"]["bytes"] > 0
         assert 0 < t["decide"]["msgs"] <= 13 * (n - 1) + 3, t
     xfer = data["transfer"]
-    assert xfer["mib"] == 8 and xfer["store"]["sha256_ok"] and xfer["stream"]["sha256_ok"]
-    assert xfer["store_msgs"] >= 2 * 3  # two chunks, each set, waited for, read, deleted, acknowledged
-    assert "replica transfer of 8 MiB" in proc.stdout
+    st, so = xfer["stream"], xfer["store"]
+    assert xfer["mib"] == 8 and st["verified"] and so["verified"]
+    assert st["via"] == "stream" and so["via"] == "store" and not st["fallbacks"] and not so["fallbacks"]
+    assert so["store_msgs"] >= 2 * 3  # two chunks, each set, waited for, read, deleted, acknowledged
+    assert so["store_MB"] > 8 > st["store_MB"], xfer  # the stream's bytes never pass the store
+    assert "replica fetch of 8 MiB" in proc.stdout
 
 
 # -- bench_detection ----------------------------------------------------------------

@@ -238,7 +238,9 @@ def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
         new = c.add_node()
         job.start(new, name="replacement")
         evs = job.assert_recovered(ref, killed=(f"agent{lost.index}",))
-        assert any(e["event"] == "replica_fetched" for e in job.events("replacement")), job.logs()
+        fetched = [e for e in job.events("replacement") if e["event"] == "replica_fetched"]
+        # straight from a surviving node's agent to the replacement's listener, not through the store
+        assert fetched and all(e["via"] == "stream" for e in fetched), job.logs()
         dec = next(e for e in evs if e["event"] == "restore_decision")
         assert dec["lost"], dec
         # from evidence (its agent stopped beating), not torch's keep-alive expiry
@@ -360,6 +362,7 @@ def test_corrupt_transfer_is_retried_from_another_source(mn_reference):
         got = [e for e in evs if e["event"] == "replica_fetched"]
         assert fails and "verification" in fails[0]["error"], evs
         assert got and got[0]["source"].startswith(c.nodes[1].addr), got
+        assert got[0]["via"] == "stream" and not [e for e in evs if e["event"] == "replica_fetch_fallback"], evs
 
 
 def test_lost_node_without_replacement_ends_clearly():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 
 from jitckpt import contract, layout
@@ -104,22 +103,19 @@ class Restorer:
             self._fetch(d, shard)
 
     def _fetch(self, d: decide.Decision, shard: str) -> None:
+        """This node's copy of ``shard`` at the decided step, fetched if missing: over a
+        stream to a listener on this node's job address, through the store where the
+        source cannot reach it (events ``replica_fetched``, ``replica_fetch_failed``,
+        ``replica_fetch_fallback``)."""
         assert self.coord is not None and d.step is not None
-        t0 = time.monotonic()
-        path, errors, fetched = transfer.ensure_local(
+        path, errors, _ = transfer.ensure_local(
             self.coord.store, self._jit.token, root=self._jit.root, job_id=self._jit.job_id, step=d.step,
             shard=shard, sources=d.sources.get(shard, []), self_node=self._node.node_id,
-            timeout_s=self._jit.save_timeout_s)
-        for e in errors:
-            self._events.emit("replica_fetch_failed", step=d.step, shard=shard, error=e)
+            timeout_s=self._jit.save_timeout_s, listen_addr=self._node.addr, emit=self._events.emit)
         if path is None:
             print(f"jitrun: no copy of step {d.step} shard {shard} could be brought to this node "
                   f"({'; '.join(errors) or 'no source'}); its ranks will refuse to start", file=sys.stderr,
                   flush=True)
-        elif fetched is not None:
-            self._events.emit("replica_fetched", step=d.step, shard=shard, path=str(path), source=fetched,
-                              bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
-                              seconds=round(time.monotonic() - t0, 3))
 
     def choose(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
                done_ranks: set[int], last_alive: float | None, poll: Callable[[], object], static: bool,
