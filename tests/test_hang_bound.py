@@ -308,3 +308,49 @@ def test_collective_group_given_by_position_or_keyword():
     hooks._guard(rt, all_reduce)(1)
     hooks._guard(rt, barrier)(g)
     assert entered == [g, g, None, g]
+
+
+def test_lost_collective_across_nodes_confirmed_by_the_others_word(tmp_path):
+    """Rank 0 on node a, rank 1 on node b, both waiting past their bound in
+    collective #10, neither computing: each node alone only sees a remote
+    laggard; b, holding a's word (same collective, not computing), confirms a
+    lost collective. a's word for another collective, or with its ranks
+    computing, confirms nothing."""
+    import subprocess
+    import sys
+
+    from launcher.recovery.hang import HangWatch
+
+    kids = [subprocess.Popen([sys.executable, "-c", "print(1, flush=True); import time; time.sleep(60)"],
+                             stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for k in kids:
+            k.stdout.readline()  # past its start-up: asleep, not computing
+        _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
+        _st(tmp_path, 1, seq=10, waiting=1.5, bound=1.0)
+        posted: list[dict] = []
+        a = HangWatch(tmp_path, _Events(), ceiling_s=120.0, enabled=True)
+        a.new_round(0, {0}, world_size=2)
+        a.post = posted.append
+        assert a.tick({0: None}, {0: kids[0].pid}, {0: 1.0}) is None
+        (word,) = posted
+        assert word["seq"] == 10 and word["computing"] is False and "0" in word["waiting"]
+
+        def node_b(suspect: dict) -> tuple[dict | None, _Events]:
+            ev = _Events()
+            b = HangWatch(tmp_path, ev, ceiling_s=120.0, enabled=True)
+            b.new_round(0, {1}, world_size=2)
+            b.post = lambda fields: None
+            return b.tick({1: None}, {1: kids[1].pid}, {1: 1.0}, suspects=[{**suspect, "node": "a"}]), ev
+
+        got, ev = node_b(word)
+        assert got == {}
+        (d,) = [d for e, d in ev.got if e == "hang_detected"]
+        assert d["kind"] == "lost" and "[0]" in d["why"], d
+        assert node_b({**word, "seq": 9})[0] is None
+        assert node_b({**word, "computing": True})[0] is None
+        assert node_b({k: v for k, v in word.items() if k != "computing"})[0] is None  # an older agent: no word
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()

@@ -306,6 +306,22 @@ def test_slow_node_returns_and_changes_nothing(mn_reference):
         assert_same_state(ref, job.out)
 
 
+def test_lost_collective_across_nodes_is_found_from_the_agents_word(mn_reference):
+    """Every rank, on both nodes, waits in a collective nobody completes: each
+    agent sees only a laggard elsewhere, posts its suspicion, and the one that
+    holds the other's word for the same collective (none computing) confirms a
+    lost collective in about a bound, not at the ceiling (60 s here)."""
+    ref = mn_reference(2, 1, STEPS)
+    with Cluster(2) as c:
+        job = Job(c, 1, STEPS, timeout_s=60)
+        lose = ";".join(f"rank={r},step=9,phase=forward,kind=lose" for r in range(2))
+        job.start_all(env={"JITCKPT_FAULT": lose})
+        evs = job.assert_recovered(ref)
+        det = [e for e in evs if e["event"] == "hang_detected"]
+        assert det and det[0]["kind"] == "lost" and "agents' word" in det[0]["why"], det
+        assert det[0]["waiting"] and max(det[0]["waiting"].values()) < 30, det  # far below the ceiling
+
+
 def test_spare_exits_with_the_jobs_outcome(mn_reference):
     """A hot spare that waits through a job that never fails exits 0 with it:
     the agent hosting the rendezvous store keeps it up until the waiting spare

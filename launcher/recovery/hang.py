@@ -31,9 +31,12 @@ reads; nothing is sent in steady state), and the laggard's own agent checks
 its ranks and ends a stopped or deaf one. When that agent cannot answer
 because it is itself stopped or cut off (its beat in the store stands still,
 recovery/alive.py), the hang is confirmed here: a whole node is gone. A lost
-collective across nodes with every agent alive is ended by the ceiling, or by
-the process groups' backstop timeout (jitckpt/contract.py pg_timeout_s).
-Agent's main thread only.
+collective across nodes: each node's ranks wait past their bound for the
+others, and each agent posts its suspicion with whether its ranks compute;
+an agent that holds every other rank's word for the same collective, none
+computing, while none of its own computes either, confirms it. Otherwise the
+ceiling, or the process groups' backstop timeout (jitckpt/contract.py
+pg_timeout_s), ends it. Agent's main thread only.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class HangWatch:
         # the other nodes of the round whose agents stopped beating (asked only while a laggard is elsewhere)
         self.silent_nodes: Callable[[], list[str]] | None = None
         self._post_at = 0.0
+        self._remote: dict[int, tuple[int, float, bool]] = {}  # rank elsewhere -> (seq, valid until, computing)
 
     def new_round(self, round_: int, local_ranks: set[int], world_size: int) -> None:
         for rd in self._readers.values():
@@ -173,6 +177,7 @@ class HangWatch:
         self._cpu.clear()
         self._due.clear()
         self._told.clear()
+        self._remote.clear()
         self.last = {}
 
     def _cpu_busy(self, r: int, now: float) -> bool:
@@ -231,30 +236,73 @@ class HangWatch:
         facts = {r: Facts(st.get(r), run_state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now),
                           bool(pids.get(r)) and has_runnable_thread(pids[r]))
                  for r in procs if r in self._readers}
+        self._note_remote(suspects, now)
         if not sus:
             return self._answer(suspects, facts, now)
         v = assess(facts, sus, now, world_size=self._world, ceiling_s=self.ceiling_s)
         if v.kind == "wait":
             return None
-        if v.kind == "remote" and self.silent_nodes is not None:
-            gone = self.silent_nodes()
-            if gone:
-                v.kind, v.why = "lost", (f"the agent of node(s) {', '.join(gone)} stopped answering the job's store: "
-                                         "the laggard's whole node is stopped or cut off")
+        if v.kind == "remote":
+            v.why = self._remote_verdict(facts, v.seq, now)
+            if v.why:
+                v.kind = "lost"
                 self._confirm(v)
                 return {}
         if v.kind in ("stretch", "remote"):
             self._stretch(v, st, sus, now)
-            if v.kind == "remote" and self.post is not None and now >= self._post_at:
-                self._post_at = now + v.bound_s  # once per bound while the wait lasts
-                try:
-                    self.post({"seq": v.seq, "waiting": {str(r): w for r, w in v.waiting.items()},
-                               "bound_s": round(v.bound_s, 3)})
-                except Exception as e:  # the store is going away with the job: the backstop still holds
-                    print(f"jitrun: could not tell the other nodes of a suspected hang: {e}", flush=True)
+            if v.kind == "remote":
+                self._post(v, facts, now)
             return None
         self._confirm(v)
         return dict(v.hung)
+
+    def _note_remote(self, suspects: list[dict], now: float) -> None:
+        """Keep the other nodes' suspicions of this round: their waiting ranks, in which
+        collective, whether their node computes; each holds for two of its bounds."""
+        for m in suspects:
+            try:
+                until = now + 2 * float(m.get("bound_s", 0.0))
+                seq, computing = int(m["seq"]), m.get("computing") is not False  # unsaid: maybe
+                for r in m.get("waiting", {}):
+                    self._remote[int(r)] = (seq, until, computing)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+
+    def _remote_verdict(self, facts: dict[int, Facts], seq: int, now: float) -> str:
+        """Every rank here waits past its bound for one elsewhere: is it a lost
+        collective after all? Yes (the why) when the laggards' node is silent
+        (its agent stopped: the whole node is), or when the other nodes' agents
+        said every other rank waits in this same collective past its bound and
+        none of them computes, as none here does. "" otherwise."""
+        if self.silent_nodes is not None:
+            gone = self.silent_nodes()
+            if gone:
+                return (f"the agent of node(s) {', '.join(gone)} stopped answering the job's store: the laggard's "
+                        "whole node is stopped or cut off")
+        here = [f.status for f in facts.values()]
+        if any(s is None or s.wait_since <= 0 or s.seq != seq or s.waiting_s(now) <= s.bound_s for s in here):
+            return ""
+        if any(f.cpu_busy or f.runnable for f in facts.values()):
+            return ""
+        there = {r: v for r, v in self._remote.items() if v[1] >= now and r not in facts}
+        if set(facts) | set(there) != set(range(self._world)):
+            return ""
+        if any(q != seq or computing for q, _, computing in there.values()):
+            return ""
+        return (f"every rank of the job waits in collective #{seq} past its bound, none computing (ranks "
+                f"{sorted(there)} by their agents' word)")
+
+    def _post(self, v: Verdict, facts: dict[int, Facts], now: float) -> None:
+        """The suspicion to the other nodes' agents, once per bound while the wait lasts."""
+        if self.post is None or now < self._post_at:
+            return
+        self._post_at = now + v.bound_s
+        try:
+            self.post({"seq": v.seq, "waiting": {str(r): w for r, w in v.waiting.items()},
+                       "bound_s": round(v.bound_s, 3),
+                       "computing": any(f.cpu_busy or f.runnable for f in facts.values())})
+        except Exception as e:  # the store is going away with the job: the backstop still holds
+            print(f"jitrun: could not tell the other nodes of a suspected hang: {e}", flush=True)
 
     def _answer(self, suspects: list[dict], facts: dict[int, Facts], now: float) -> dict[int, str] | None:
         """Another node's ranks wait past their bound for a rank elsewhere: is
