@@ -53,14 +53,15 @@ lint: setup
 
 # Two tests at a time: most of the suite waits on process start-up, timeouts and
 # sleeps, not on the 2 cores; the suite's 15 slowest tests are listed at the end.
+# Paths in PYTEST_ARGS narrow the run (without any, pyproject's testpaths: tests/).
 TEST_WORKERS ?= 2
 test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) scripts/check_structure.py
-	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 test-fast: build
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The shim's tests against the ASan/UBSan build of libjitintercept (the lost-device
 # test too: the shim's state crosses a CRIU dump and restore there).
