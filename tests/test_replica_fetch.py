@@ -71,7 +71,8 @@ def _assert_private_copy(path: Path) -> None:
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")], "staging left behind"
 
 
-def test_fetch_over_the_stream_between_two_agents(tmp_path, tcp_store):
+def _fetch_from_a(tmp_path, tcp_store, listen_addr: str) -> tuple[Path, list, str | None, int, _Events]:
+    """Node B fetches step 8 from node A's ReplicaServer: (path, errors, source, A's served count, events)."""
     src = {"node_id": "A", **_replica(tmp_path / "a", 8, 0)}
     serving, fetching = _client(tcp_store), _client(tcp_store)
     server = transfer.ReplicaServer(serving, TOKEN, "A", tmp_path / "a", "j").start()
@@ -79,10 +80,15 @@ def test_fetch_over_the_stream_between_two_agents(tmp_path, tcp_store):
     try:
         path, errors, fetched = transfer.ensure_local(fetching, TOKEN, root=tmp_path / "b", job_id="j", step=8,
                                                       shard="0", sources=[src], self_node="B", timeout_s=30,
-                                                      listen_addr="127.0.0.1", emit=ev.emit)
+                                                      listen_addr=listen_addr, emit=ev.emit)
     finally:
         assert server.stop(serving)
-    assert errors == [] and fetched == "A" and server.served == 1
+    return path, errors, fetched, server.served, ev
+
+
+def test_fetch_over_the_stream_between_two_agents(tmp_path, tcp_store):
+    path, errors, fetched, served, ev = _fetch_from_a(tmp_path, tcp_store, "127.0.0.1")
+    assert errors == [] and fetched == "A" and served == 1
     _assert_private_copy(path)
     [done] = ev.of("replica_fetched")
     assert done["via"] == "stream" and done["source"] == "A", ev.got
@@ -90,23 +96,33 @@ def test_fetch_over_the_stream_between_two_agents(tmp_path, tcp_store):
     assert not ev.of("replica_fetch_fallback") and not ev.of("replica_fetch_failed"), ev.got
 
 
-def test_corrupted_stream_is_refused_and_the_next_source_delivers(tmp_path, tcp_store, monkeypatch):
-    """A's bytes arrive with one flipped (its agent's corruption hook flips the first
-    byte of what it streams); B's are good."""
+def _fetch_a_or_b(tmp_path, tcp_store, monkeypatch, *, corrupt_a: bool = False, tamper=None):
+    """Node C fetches step 3 from A, else B (both hold it). ``corrupt_a``: A's agent
+    flips the first byte of what it streams; ``tamper()`` runs once the replicas exist."""
     a = {"node_id": "A", **_replica(tmp_path / "a", 3, 0)}
     b = {"node_id": "B", **_replica(tmp_path / "b", 3, 1)}
+    if tamper is not None:
+        tamper()
     ca, cb, cc = _client(tcp_store), _client(tcp_store), _client(tcp_store)
-    monkeypatch.setenv(contract.TEST_CORRUPT_TRANSFER.name, "1")
-    bad = transfer.ReplicaServer(ca, TOKEN, "A", tmp_path / "a", "j").start()
-    monkeypatch.delenv(contract.TEST_CORRUPT_TRANSFER.name)
-    good = transfer.ReplicaServer(cb, TOKEN, "B", tmp_path / "b", "j").start()
+    if corrupt_a:
+        monkeypatch.setenv(contract.TEST_CORRUPT_TRANSFER.name, "1")
+    sa = transfer.ReplicaServer(ca, TOKEN, "A", tmp_path / "a", "j").start()
+    monkeypatch.delenv(contract.TEST_CORRUPT_TRANSFER.name, raising=False)
+    sb = transfer.ReplicaServer(cb, TOKEN, "B", tmp_path / "b", "j").start()
     ev = _Events()
     try:
         path, errors, fetched = transfer.ensure_local(cc, TOKEN, root=tmp_path / "c", job_id="j", step=3,
                                                       shard="0", sources=[a, b], self_node="C", timeout_s=30,
                                                       listen_addr="127.0.0.1", emit=ev.emit)
     finally:
-        assert bad.stop(ca) and good.stop(cb)
+        assert sa.stop(ca) and sb.stop(cb)
+    return path, errors, fetched, ev
+
+
+def test_corrupted_stream_is_refused_and_the_next_source_delivers(tmp_path, tcp_store, monkeypatch):
+    """A's bytes arrive with one flipped (its agent's corruption hook flips the first
+    byte of what it streams); B's are good."""
+    path, errors, fetched, ev = _fetch_a_or_b(tmp_path, tcp_store, monkeypatch, corrupt_a=True)
     assert fetched == "B" and len(errors) == 1 and "checksum mismatch" in errors[0], errors
     _assert_private_copy(path)
     [failed] = ev.of("replica_fetch_failed")
@@ -116,25 +132,16 @@ def test_corrupted_stream_is_refused_and_the_next_source_delivers(tmp_path, tcp_
     assert not [p for p in (tmp_path / "a").rglob(".corrupt-*")], "the hook's copy left behind"
 
 
-def test_tampered_source_file_is_refused_and_the_next_source_delivers(tmp_path, tcp_store):
+def test_tampered_source_file_is_refused_and_the_next_source_delivers(tmp_path, tcp_store, monkeypatch):
     """A byte of A's replica changed on A's disk after it was published: A's agent
     does not serve it, B's copy is fetched."""
-    a = {"node_id": "A", **_replica(tmp_path / "a", 3, 0)}
-    b = {"node_id": "B", **_replica(tmp_path / "b", 3, 1)}
-    victim = layout.replica_dir(tmp_path / "a", 3, "0", 0) / "state.pt"
-    data = bytearray(victim.read_bytes())
-    data[1234] ^= 0x01
-    victim.write_bytes(data)
-    ca, cb, cc = _client(tcp_store), _client(tcp_store), _client(tcp_store)
-    sa = transfer.ReplicaServer(ca, TOKEN, "A", tmp_path / "a", "j").start()
-    sb = transfer.ReplicaServer(cb, TOKEN, "B", tmp_path / "b", "j").start()
-    ev = _Events()
-    try:
-        path, errors, fetched = transfer.ensure_local(cc, TOKEN, root=tmp_path / "c", job_id="j", step=3,
-                                                      shard="0", sources=[a, b], self_node="C", timeout_s=30,
-                                                      listen_addr="127.0.0.1", emit=ev.emit)
-    finally:
-        assert sa.stop(ca) and sb.stop(cb)
+    def tamper() -> None:
+        victim = layout.replica_dir(tmp_path / "a", 3, "0", 0) / "state.pt"
+        data = bytearray(victim.read_bytes())
+        data[1234] ^= 0x01
+        victim.write_bytes(data)
+
+    path, errors, fetched, ev = _fetch_a_or_b(tmp_path, tcp_store, monkeypatch, tamper=tamper)
     assert fetched == "B" and len(errors) == 1 and "not usable" in errors[0], errors
     _assert_private_copy(path)
     assert [e["via"] for e in ev.of("replica_fetched")] == ["stream"]
@@ -143,16 +150,7 @@ def test_tampered_source_file_is_refused_and_the_next_source_delivers(tmp_path, 
 def test_requester_that_cannot_listen_falls_back_to_the_store(tmp_path, tcp_store):
     """This node's address is wrong (an address no interface here has): no listener,
     the bytes come through the store, and an event says why."""
-    src = {"node_id": "A", **_replica(tmp_path / "a", 8, 0)}
-    serving, fetching = _client(tcp_store), _client(tcp_store)
-    server = transfer.ReplicaServer(serving, TOKEN, "A", tmp_path / "a", "j").start()
-    ev = _Events()
-    try:
-        path, errors, fetched = transfer.ensure_local(fetching, TOKEN, root=tmp_path / "b", job_id="j", step=8,
-                                                      shard="0", sources=[src], self_node="B", timeout_s=30,
-                                                      listen_addr="192.0.2.1", emit=ev.emit)
-    finally:
-        assert server.stop(serving)
+    path, errors, fetched, _served, ev = _fetch_from_a(tmp_path, tcp_store, "192.0.2.1")
     assert errors == [] and fetched == "A"
     _assert_private_copy(path)
     [fb] = ev.of("replica_fetch_fallback")
