@@ -324,8 +324,13 @@ def test_lost_collective_across_nodes_confirmed_by_the_others_word(tmp_path):
     kids = [subprocess.Popen([sys.executable, "-c", "print(1, flush=True); import time; time.sleep(60)"],
                              stdout=subprocess.PIPE) for _ in range(2)]
     try:
+        import psutil
+
         for k in kids:
-            k.stdout.readline()  # past its start-up: asleep, not computing
+            k.stdout.readline()  # past its start-up
+            deadline = time.monotonic() + 10
+            while psutil.Process(k.pid).status() != psutil.STATUS_SLEEPING and time.monotonic() < deadline:
+                time.sleep(0.01)  # asleep: not computing, no thread runnable
         _st(tmp_path, 0, seq=10, waiting=1.5, bound=1.0)
         _st(tmp_path, 1, seq=10, waiting=1.5, bound=1.0)
         posted: list[dict] = []
@@ -350,6 +355,41 @@ def test_lost_collective_across_nodes_confirmed_by_the_others_word(tmp_path):
         assert node_b({**word, "seq": 9})[0] is None
         assert node_b({**word, "computing": True})[0] is None
         assert node_b({k: v for k, v in word.items() if k != "computing"})[0] is None  # an older agent: no word
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
+def test_stopped_laggard_ends_at_the_floor_not_the_learned_bound(tmp_path):
+    """A waiter past the floor but within its learned bound (a loaded machine
+    raised it): a stopped laggard is conclusive already; an alive one is left
+    alone, without even a stretch in the timeline."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from launcher.recovery.hang import HangWatch
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        pids = {0: kids[0].pid, 1: kids[1].pid}
+        _st(tmp_path, 0, seq=10, waiting=0.9, bound=3.0)
+        _st(tmp_path, 1, seq=9)  # beating, outside any collective: alive
+        ev = _Events()
+        w = HangWatch(tmp_path, ev, ceiling_s=120.0, enabled=True)
+        assert w.floor_s == 0.8
+        w.new_round(0, {0, 1}, world_size=2)
+        assert w.tick({0: None, 1: None}, pids, {0: 1.0, 1: 1.0}) is None and ev.got == []
+        os.kill(kids[1].pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while psutil.Process(kids[1].pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.tick({0: None, 1: None}, pids, {0: 1.0, 1: 1.0}) == {1: "stopped"}
+        (name, d), = ev.got
+        assert name == "hang_detected" and d["bound_s"] == 3.0 and "floor" in d["why"], d
     finally:
         for k in kids:
             k.kill()

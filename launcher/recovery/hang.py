@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jitckpt import contract
+from jitckpt.hang_bound import FLOOR_S
 from jitckpt.rank_status import Status, StatusReader
 
 from ..workers import has_runnable_thread, run_state
@@ -155,6 +157,10 @@ class HangWatch:
         self._events = events
         self.ceiling_s = ceiling_s
         self.enabled = enabled
+        try:
+            self.floor_s = contract.TIMEOUT_FLOOR.get()  # as the workers' bounds have it
+        except ValueError:
+            self.floor_s = FLOOR_S  # the workers say what is wrong with it
         self._round = 0
         self._world = 0
         self._readers: dict[int, StatusReader] = {}
@@ -205,9 +211,11 @@ class HangWatch:
         self.last.update(out)
         return out
 
-    def _suspicious(self, st: dict[int, Status], now: float) -> list[int]:
+    def _suspicious(self, st: dict[int, Status], now: float) -> tuple[list[int], list[int]]:
+        """(the ranks waiting past their bound, or due for another look; those
+        past the floor only: a stopped or deaf laggard is conclusive already)."""
         current = set()
-        sus = []
+        sus, early = [], []
         for r, s in st.items():
             if s.wait_since <= 0:
                 continue
@@ -215,10 +223,22 @@ class HangWatch:
             current.add(key)
             if now >= self._due.get(key, s.wait_since + s.bound_s):
                 sus.append(r)
+            elif key not in self._due and s.waiting_s(now) >= min(self.floor_s, s.bound_s):
+                early.append(r)
         for key in [k for k in self._due if k not in current]:
             del self._due[key]
         self._told &= current
-        return sus
+        return sus, early
+
+    def _early(self, facts: dict[int, Facts], early: list[int], now: float) -> dict[int, str] | None:
+        """Waits past the floor, within the learned bound: ended now only for a
+        laggard that is stopped or deaf (the bound is there for live ones)."""
+        v = assess(facts, early, now, world_size=self._world, ceiling_s=None)
+        if v.kind != "hang" or not all(w in ("stopped", "deaf") for w in v.hung.values()):
+            return None
+        v.why = f"the laggard is {' and '.join(sorted(set(v.hung.values())))} (past the {self.floor_s:g} s floor)"
+        self._confirm(v)
+        return dict(v.hung)
 
     def tick(self, procs: dict[int, Proc], pids: dict[int, int], cpu: dict[int, float | None],
              suspects: list[dict] = ()) -> dict[int, str] | None:
@@ -230,13 +250,17 @@ class HangWatch:
         now = time.monotonic()
         self._note_cpu(cpu, now)
         st = self.read()
-        sus = self._suspicious(st, now)
-        if not sus and not suspects:
+        sus, early = self._suspicious(st, now)
+        if not sus and not early and not suspects:
             return None
         facts = {r: Facts(st.get(r), run_state(pids[r]) if pids.get(r) else "running", self._cpu_busy(r, now),
                           bool(pids.get(r)) and has_runnable_thread(pids[r]))
                  for r in procs if r in self._readers}
         self._note_remote(suspects, now)
+        if not sus and early:
+            hung = self._early(facts, early, now)
+            if hung is not None or not suspects:
+                return hung
         if not sus:
             return self._answer(suspects, facts, now)
         v = assess(facts, sus, now, world_size=self._world, ceiling_s=self.ceiling_s)
