@@ -84,6 +84,11 @@ class Verdict:
     steps: dict[str, int] = field(default_factory=dict)  # the waiters' minibatches done
 
 
+def _computing(facts: dict[int, Facts]) -> bool:
+    """A rank here uses CPU, or has a thread waiting for one: its collective may still move."""
+    return any(f.cpu_busy or f.runnable for f in facts.values())
+
+
 def liveness(f: Facts, now: float) -> tuple[str, str]:
     """(class, evidence): dead | stopped | declared | deaf | alive."""
     if f.state == "dead":
@@ -138,7 +143,7 @@ def assess(facts: dict[int, Facts], suspicious: list[int], now: float, *, world_
         v.kind = "stretch"  # alive and busy elsewhere, or said so
     elif len(facts) < world_size:
         v.kind = "remote"  # every rank here waits: the laggard is on another node
-    elif any(f.cpu_busy or f.runnable for f in facts.values()):
+    elif _computing(facts):
         v.kind = "stretch"  # someone still computes inside a collective's region, or waits for a CPU
     elif any(st[r].waiting_s(now) <= st[r].bound_s for r in facts):
         v.kind = "wait"  # a rank is still within its bound: look again next tick
@@ -306,7 +311,7 @@ class HangWatch:
         here = [f.status for f in facts.values()]
         if any(s is None or s.wait_since <= 0 or s.seq != seq or s.waiting_s(now) <= s.bound_s for s in here):
             return ""
-        if any(f.cpu_busy or f.runnable for f in facts.values()):
+        if _computing(facts):
             return ""
         there = {r: v for r, v in self._remote.items() if v[1] >= now and r not in facts}
         if set(facts) | set(there) != set(range(self._world)):
@@ -324,7 +329,7 @@ class HangWatch:
         try:
             self.post({"seq": v.seq, "waiting": {str(r): w for r, w in v.waiting.items()},
                        "bound_s": round(v.bound_s, 3),
-                       "computing": any(f.cpu_busy or f.runnable for f in facts.values())})
+                       "computing": _computing(facts)})
         except Exception as e:  # the store is going away with the job: the backstop still holds
             print(f"jitrun: could not tell the other nodes of a suspected hang: {e}", flush=True)
 
