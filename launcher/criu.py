@@ -251,10 +251,24 @@ def dump(pid: int, images_dir: str | os.PathLike, *, leave_running: bool = False
     cp = _run(cmd, timeout)
     secs = time.monotonic() - t0
     if cp.returncode != 0:
-        raise _fail(f"criu dump of PID {pid} into {d}", cp, d / DUMP_LOG)
+        raise _fail(f"criu dump of PID {pid} ({pid_facts(pid)} when it failed) into {d}", cp, d / DUMP_LOG)
     manifest = write_manifest(d, extra={"pid": pid, "criu": version(criu), "dump_seconds": round(secs, 4)})
     size = sum(f["size"] for f in json.loads(manifest.read_text())["files"].values())
     return DumpResult(d, secs, size, manifest)
+
+
+def pid_facts(pid: int) -> str:
+    """What a process is, for an error that names it: a dump that could not seize its
+    target says whether the target was gone or what it was instead."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            kids = [c.pid for c in p.children()]
+            return f"{p.name()}, {p.status()}, parent {p.ppid()}, children {kids or 'none'}"
+    except psutil.NoSuchProcess:
+        return "gone"
+    except psutil.Error as e:
+        return f"unreadable: {e}"
 
 
 def _image_files(d: Path) -> list[Path]:

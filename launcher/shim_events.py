@@ -48,6 +48,8 @@ def merge(lines: list[dict]) -> list[dict]:
             # from the fault to the job going on, minus the timeout (0 without a hang)
             "recovery_minus_timeout_s": max((e["waited_s"] - timeout + e["total_s"] for e in hangs), default=total),
             "stages": {k[:-2]: max(e.get(k, 0.0) for e in evs) for k in STAGES},
+            # after a lost device's refill: the state the refilled rank and its replica agreed on
+            "state_digest": next((e["state_digest"] for e in evs if e.get("state_digest")), None),
         }
         out.append(rec)
     return out

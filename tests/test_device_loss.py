@@ -158,6 +158,10 @@ def test_lost_device_rank_moves_and_finishes_bit_identical(criu_bin, subreaper, 
     assert sorted(e["rank"] for e in rec) == list(range(NR)), rec
     assert all(e["outcome"] == "recovered" and e["epoch"] == 1 for e in rec), rec
     mine = next(e for e in rec if e["rank"] == lost)
+    # the refilled rank and its replica (the first healthy rank) agreed on the state bit for bit
+    donor = min(set(range(NR)) - {lost})
+    digests = {e["rank"]: e["state_digest"] for e in rec}
+    assert digests[lost] and digests[lost] == digests[donor], digests
     if case == "optimizer":
         assert mine["replayed"] == 0  # took the replica's post-update state
     else:
@@ -177,6 +181,22 @@ def test_device_lost_before_replicas_finish_the_optimizer_step_falls_back(criu_b
     fb = [e for e in r["events"] if e["event"] == "shim_recovery"]
     assert fb and all(e["outcome"] == "fallback" for e in fb), fb
     assert any("optimizer" in e["reason"] for e in fb), [e["reason"] for e in fb]
+
+
+def test_a_refill_corrupted_on_the_way_is_caught_before_the_replay(criu_bin, subreaper, tmp_path: Path) -> None:
+    """The lost rank's refill arrives with one bit flipped (the stand-in NCCL's
+    JITSIM_FLIP_RECV_AT: its first receive is the refill's): the state digests of
+    the refilled rank and its replica differ, so every rank falls back (exit 75)
+    before a replayed call, the refilled rank naming both digests."""
+    lost, fault = CASES["forward"]
+    r = run_with_lost_device(tmp_path / "flip", {**fault, "JITSIM_FLIP_RECV_AT": "1"}, lost)
+    assert r["rc"] == {i: 75 for i in range(NR)}, (r["rc"], r["out"])
+    assert len(r["moves"]) == 1 and not r["final"]
+    fb = {e["rank"]: e for e in r["events"] if e["event"] == "shim_recovery"}
+    assert sorted(fb) == list(range(NR)) and all(e["outcome"] == "fallback" for e in fb.values()), fb
+    assert "differs from replica 1's after the refill" in fb[lost]["reason"], fb[lost]
+    assert fb[lost]["replayed"] == 0 and not fb[lost]["state_digest"], fb[lost]
+    assert all("refilled rank's state differs" in fb[i]["reason"] for i in range(NR) if i != lost), fb
 
 
 def test_a_refused_move_falls_back_everywhere_at_once(criu_bin, subreaper, tmp_path: Path) -> None:
@@ -271,6 +291,7 @@ def test_jitrun_moves_a_lost_device_rank_to_a_spare_device(criu_bin, tmp_path: P
     assert f"moved the live process to device {spare}" in r["log"]
     rec = [e for e in ev if e["event"] == "in_place_recovery"]
     assert len(rec) == 1 and rec[0]["outcome"] == "recovered", rec
+    assert re.fullmatch(r"[0-9a-f]{16}", rec[0]["state_digest"] or ""), rec  # the refill was verified
 
 
 def test_jitrun_without_a_spare_device_falls_back_at_once(criu_bin, tmp_path: Path) -> None:

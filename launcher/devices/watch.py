@@ -96,7 +96,7 @@ class DeviceWatch:
         if self._unhealthy:
             self._on_unhealthy(wg, procs, worker_store)
         if self._device_dir is not None:
-            self._on_device_lost(wg, local_ranks, coord_store, on_moved)
+            self._on_device_lost(wg, procs, local_ranks, coord_store, on_moved)
 
     def _on_unhealthy(self, wg: WorkerGroup, procs: dict[int, Proc], worker_store: Callable[[], object]) -> None:
         """A device failed while its rank runs: ask the scheduler hook whether to move
@@ -131,7 +131,7 @@ class DeviceWatch:
             procs[r].signal(signal.SIGTERM)
         self._events.emit("device_restart", ranks=ranks, devices=sorted(failing))
 
-    def _on_device_lost(self, wg: WorkerGroup, local_ranks: set[int], coord_store,
+    def _on_device_lost(self, wg: WorkerGroup, procs: dict[int, Proc], local_ranks: set[int], coord_store,
                         on_moved: Callable[[], None]) -> None:
         """A local rank's device died under its live process, which the shim parked
         (launcher/migration/device_loss.py): the scheduler hook says where it goes; it is
@@ -146,7 +146,7 @@ class DeviceWatch:
                 print(f"jitrun: {e}", file=sys.stderr, flush=True)
             return
         for req in reqs:
-            why = self._move_lost(wg, req, coord_store)
+            why = self._move_lost(wg, req, coord_store, procs.get(req.rank))
             if why is None:
                 on_moved()
                 continue
@@ -158,7 +158,7 @@ class DeviceWatch:
             print(f"jitrun: rank {req.rank}'s device {req.device} was lost and its process is not moved ({why}); "
                   "it falls back to the JIT checkpoint path", file=sys.stderr, flush=True)
 
-    def _move_lost(self, wg: WorkerGroup, req, coord_store) -> str | None:
+    def _move_lost(self, wg: WorkerGroup, req, coord_store, proc: Proc | None) -> str | None:
         """Move one parked rank to the device the hook names; None when it
         moved, else why not."""
         t0 = time.monotonic()
@@ -186,8 +186,11 @@ class DeviceWatch:
                     req, pids[req.rank], images, str(placement.device), self._device_dir, to=str(placement.to),
                     coord_store=coord_store, token=self._jit.token, output=self._where.outputs.get(req.rank))
         except (criu.CriuError, migrate_agent.MigrationError, OSError) as e:
-            self._events.emit("device_move_failed", rank=req.rank, epoch=req.epoch, to=placement.to, error=str(e))
-            return f"the move failed: {e}"
+            err = str(e)
+            if proc is not None and proc.pid:  # what it runs now, should the dumped PID be the wrong one
+                err += f"; rank {req.rank}'s wrapper (PID {proc.pid}): {criu.pid_facts(proc.pid)}"
+            self._events.emit("device_move_failed", rank=req.rank, epoch=req.epoch, to=placement.to, error=err)
+            return f"the move failed: {err}"
         self._where.moved[req.rank] = moved if isinstance(moved, device_loss.Moved) else moved.remote
         self._events.emit("device_moved", rank=req.rank, epoch=req.epoch, to=placement.to,
                           device=placement.device, old_device=req.device,

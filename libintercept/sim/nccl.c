@@ -688,6 +688,7 @@ struct item {
   int hang;      /* fault injection: never contribute */
   int fail;      /* fault injection: fail asynchronously when run */
   int devfault;  /* fault injection: the device dies while running it (sticky error) */
+  int flip;      /* fault injection: one bit of the received data arrives flipped */
 };
 
 static uint64_t nchunks(size_t bytes) { return (bytes + CHUNK - 1) / CHUNK; }
@@ -787,6 +788,10 @@ static size_t p2p_progress(struct item *it) {
     memcpy(it->rbuf + it->done, data + at, first);
     memcpy(it->rbuf + it->done + first, data, k - first);
     atomic_store(&r->tail, tail + k);
+    if (it->flip && k) { /* a transfer corrupted on the way, as a bad link or NIC would */
+      it->rbuf[it->done] ^= 0x10;
+      it->flip = 0;
+    }
   }
   it->done += k;
   if (k) bump(c);
@@ -899,6 +904,7 @@ static __thread struct item *t_items;
 static __thread int t_nitems, t_capitems;
 static __thread ncclResult_t t_group_err;
 static _Atomic long g_opcount;
+static _Atomic long g_recvcount;
 
 static ncclResult_t launch_items(struct item *items, int n) {
   ncclResult_t ret = ncclSuccess;
@@ -969,6 +975,10 @@ static ncclResult_t issue(struct item it) {
   }
   long dev_at = jitsim_env_long("JITSIM_STICKY_COLL_AT", 0);
   it.devfault = dev_at > 0 && nth == dev_at;
+  if (it.kind == K_RECV) {
+    long flip_at = jitsim_env_long("JITSIM_FLIP_RECV_AT", 0);
+    it.flip = flip_at > 0 && atomic_fetch_add(&g_recvcount, 1) + 1 == flip_at && it.count;
+  }
   long hang_at = jitsim_env_long("JITSIM_HANG_AT", 0);
   long hang_rank = jitsim_env_long("JITSIM_HANG_RANK", -1);
   it.hang = hang_at > 0 && nth == hang_at && (hang_rank < 0 || hang_rank == c->rank);

@@ -272,3 +272,48 @@ const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nl
   free(k);
   return why;
 }
+
+/* A digest of every live allocation's name and bytes, in name order. A refill
+ * copies the donor's allocations, so afterwards its receiver must hash to the
+ * donor's value: what the replicas compare before the replay (a transfer
+ * corrupted on the way, an allocation refilled from the wrong one). Words at a
+ * time: it reads the whole device state once per refill. */
+static uint64_t mix(const unsigned char *b, size_t n, uint64_t h) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    memcpy(&w, b + i, 8);
+    h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+  }
+  return fnv(b + i, n - i, h);
+}
+
+const char *ji_dev_state_digest(uint64_t *out) {
+  enum { CHUNK = 1 << 20 };
+  ji_fn_cudaMemcpy cp = REAL(cudaMemcpy);
+  if (!cp) return "refill check: cudaMemcpy is missing";
+  unsigned char *buf = malloc(CHUNK);
+  if (!buf) return "refill check: out of host memory";
+  ji_alloc_key *k;
+  size_t n = ji_alloc_keys(&k);
+  uint64_t h = 1469598103934665603ull;
+  const char *why = NULL;
+  ji_tls.depth++;
+  for (size_t i = 0; i < n && !why; i++) {
+    h = fnv(&k[i].site, sizeof k[i].site, h);
+    h = fnv(&k[i].seq, sizeof k[i].seq, h);
+    for (size_t off = 0; off < k[i].n && !why; off += CHUNK) {
+      size_t len = k[i].n - off < CHUNK ? k[i].n - off : CHUNK;
+      if (cp(buf, (const char *)k[i].p + off, len, cudaMemcpyDeviceToHost) != cudaSuccess)
+        why = "refill check: reading the device state back failed";
+      else
+        h = mix(buf, len, h);
+    }
+  }
+  ji_tls.depth--;
+  free(k);
+  free(buf);
+  *out = h;
+  return why;
+}

@@ -353,6 +353,8 @@ JI_HIDDEN uint64_t ji_callsite(void);
 #define JI_DISCARDED() JI_UNLIKELY(atomic_load_explicit(&ji_discard, memory_order_relaxed))
 JI_HIDDEN const char *ji_dev_precheck(void);
 JI_HIDDEN uint64_t ji_dev_digest(void);
+/* Every live allocation's name and bytes hashed (read back from the device): NULL, or why not. */
+JI_HIDDEN const char *ji_dev_state_digest(uint64_t *out);
 JI_HIDDEN const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s);
 JI_HIDDEN const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nlost, double deadline);
 

@@ -121,6 +121,7 @@ struct rec_info {
   int epoch, replayed;
   double t0, t_abort, t_agree, t_reinit, t_replay;
   const char *outcome, *reason;
+  char state_digest[17]; /* after a refill: the replicas' verified state digest (hex), else "" */
 };
 
 static void emit(const struct rec_info *ri) {
@@ -138,13 +139,13 @@ static void emit(const struct rec_info *ri) {
            "\"source\": \"%s\", \"collective\": \"%s\", \"code\": %d, \"waited_s\": %.3f, \"timeout_s\": %.3f, "
            "\"epoch\": %d, \"minibatch\": %llu, \"detect_s\": %.6f, \"abort_s\": %.6f, \"agree_s\": %.6f, "
            "\"reinit_s\": %.6f, \"replay_s\": %.6f, \"total_s\": %.6f, \"replayed\": %d, \"outcome\": \"%s\", "
-           "\"reason\": \"%s\", \"attempt\": %d}",
+           "\"reason\": \"%s\", \"attempt\": %d, \"state_digest\": \"%s\"}",
            (double)tv.tv_sec + tv.tv_usec * 1e-6, env_int("RANK", -1), (int)getpid(), ri->f->kind, ri->f->source,
            (ri->f->coll >= 0 && ri->f->coll < JI_N_SYMS) ? ji_names[ri->f->coll] : "none", ri->f->code,
            ri->f->waited, ji_watch_timeout(), ri->epoch, (unsigned long long)jitintercept_minibatch(),
            ri->f->waited, SPAN(ri->t0, ri->t_abort), SPAN(ri->t_abort, ri->t_agree),
            SPAN(ri->t_agree, ri->t_reinit), SPAN(ri->t_reinit, ri->t_replay), end - ri->t0, ri->replayed,
-           ri->outcome, reason, env_int("TORCHELASTIC_RESTART_COUNT", 0));
+           ri->outcome, reason, env_int("TORCHELASTIC_RESTART_COUNT", 0), ri->state_digest);
 #undef SPAN
   ji_event_write(json);
 }
@@ -289,6 +290,53 @@ static const char *dev_decide(int epoch, int world, int me, int *lost, int *nlos
     }
     if (lost[j] == me) *skip = (int)l->in_opt;
   }
+  return NULL;
+}
+
+/* After a refill every lost rank must hold the donor's state bit for bit: the
+ * donor publishes its state digest, each lost rank compares its own, and every
+ * rank learns the verdict before any replays (a mismatch is everybody's
+ * fallback, like a refusal). `hex` gets the verified digest. */
+static const char *dev_verify(int epoch, int world, int me, int donor, const int *lost, int nlost, double deadline,
+                              char hex[17]) {
+  static char msg[200];
+  char k[300];
+  int is_lost = 0;
+  for (int j = 0; j < nlost; j++) is_lost |= lost[j] == me;
+  uint64_t mine = 0, theirs = 0;
+  int bad = 0;
+  if (me == donor || is_lost) {
+    const char *why = ji_dev_state_digest(&mine);
+    if (why) return why;
+  }
+  key(k, sizeof k, "sdig", epoch, -1);
+  if (me == donor && ji_store_set(k, &mine, sizeof mine, 5.0)) return "the store is unreachable";
+  if (is_lost) {
+    int c = 0;
+    while ((c = ji_store_check(k, 5.0)) == 0 && ji_now() < deadline) usleep(2000);
+    if (c != 1 || ji_store_get(k, &theirs, sizeof theirs, 5.0)) return "refill check: no state digest from the replica";
+    bad = mine != theirs;
+  }
+  key(k, sizeof k, "vbad", epoch, -1);
+  if (ji_store_add(k, bad, NULL, 5.0)) return "the store is unreachable";
+  key(k, sizeof k, "vjoin", epoch, -1);
+  int64_t joined = 0;
+  if (ji_store_add(k, 1, &joined, 5.0)) return "the store is unreachable";
+  while (joined < world && ji_now() < deadline) {
+    usleep(2000);
+    if (ji_store_add(k, 0, &joined, 5.0)) return "the store is unreachable";
+  }
+  if (joined < world) return "refill check: not every rank reached it within the bound";
+  int64_t nbad = 0;
+  key(k, sizeof k, "vbad", epoch, -1);
+  if (ji_store_add(k, 0, &nbad, 5.0)) return "the store is unreachable";
+  if (bad) {
+    snprintf(msg, sizeof msg, "refill check: this rank's state differs from replica %d's after the refill "
+             "(digest %016llx, replica %016llx)", donor, (unsigned long long)mine, (unsigned long long)theirs);
+    return msg;
+  }
+  if (nbad) return "refill check: a refilled rank's state differs from its replica's";
+  if (me == donor || is_lost) snprintf(hex, 17, "%016llx", (unsigned long long)mine);
   return NULL;
 }
 
@@ -448,6 +496,8 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
     if ((why = dev_decide(epoch, world, me, lost_ranks, &nlost, &donor, &skip))) fallback(&ri, why);
     if (nlost && wc < 0) fallback(&ri, "refill: no communicator spans every rank");
     if (nlost && (why = ji_dev_refill(atomic_load(&cs.v[wc]->phys), me, donor, lost_ranks, nlost, deadline)))
+      fallback(&ri, why);
+    if (nlost && (why = dev_verify(epoch, world, me, donor, lost_ranks, nlost, deadline, ri.state_digest)))
       fallback(&ri, why);
   }
   ri.t_reinit = ji_now();
