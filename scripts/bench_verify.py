@@ -12,7 +12,10 @@
    ``--warmup``, the median step interval, and CPU seconds per step of the whole process tree. Each
    round gives the ratio checks/baseline of every metric; the table shows their median (min-max).
    A check costs the fingerprint, one exchange through the store and, when it passed, the save_fn into
-   tmpfs (the state a rollback goes back to): that is paid once per N minibatches.
+   tmpfs (the state a rollback goes back to): that is paid once per N minibatches. The ratios between
+   runs drift with the machine by more than the small overheads; so each run with N >= 2 also measures
+   its checks itself (``in_run_cost``: the step intervals holding a check against the run's others),
+   and the table gives that cost over N steps.
 
 Results go to build/bench/verify.json (--out). The machine is shared: read the wall-clock ratios
 together with their spread.
@@ -118,7 +121,27 @@ def _run(every: int, a: argparse.Namespace, work: Path, n: int) -> dict:
     return {"every": every, "step_s": bo.steady_step_s(seen, a.warmup),
             "step_median_s": bo.median_step_s(seen, a.warmup),
             "cpu_per_step_s": (cpu[a.steps - 1] - cpu[a.warmup]) / (a.steps - 1 - a.warmup),
-            "checks": len([s for s in range(1, a.steps) if every and s % every == 0])}
+            "checks": len([s for s in range(1, a.steps) if every and s % every == 0]),
+            **in_run_cost(seen, every, a.warmup)}
+
+
+def in_run_cost(seen: list[tuple[int, float]], every: int, warmup: int) -> dict:
+    """The checks' cost measured inside one run: a check runs at the start of the minibatch
+    after every ``every``-th optimizer step, i.e. between rank 0's lines for steps s-1 and s
+    with s % every == 0 (demo_train counts steps from 0). Its cost is how much longer those
+    intervals are than the run's other intervals (medians), and the overhead that cost over
+    ``every`` steps. Paired within the run, so the machine's drift between runs cancels;
+    it needs intervals without a check (every >= 2)."""
+    if every < 2:
+        return {}
+    t = dict(seen)
+    iv = {s: t[s] - t[s - 1] for s in t if s - 1 in t and s - 1 >= warmup}
+    with_check = [v for s, v in iv.items() if s % every == 0]
+    plain = [v for s, v in iv.items() if s % every]
+    if not with_check or not plain:
+        return {}
+    extra = statistics.median(with_check) - statistics.median(plain)
+    return {"check_extra_s": extra, "in_run_overhead_pct": 100 * extra / (every * statistics.median(plain))}
 
 
 def bench_overhead(intervals: list[int], a: argparse.Namespace, say: Callable[..., None]) -> dict:
@@ -147,6 +170,11 @@ def bench_overhead(intervals: list[int], a: argparse.Namespace, say: Callable[..
             ratios = [x[metric] / b[metric] for x, b in zip(runs[n], runs[0], strict=True)]
             row[metric] = {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios),
                            "max": max(ratios), "overhead_pct": (statistics.median(ratios) - 1) * 100}
+        extra = [x["check_extra_s"] for x in runs[n] if "check_extra_s" in x]
+        if extra:
+            pct = [x["in_run_overhead_pct"] for x in runs[n]]
+            row["in_run"] = {"check_extra_s": statistics.median(extra), "overhead_pct": statistics.median(pct),
+                             "min_pct": min(pct), "max_pct": max(pct)}
         out["intervals"][str(n)] = row
     return out
 
@@ -169,6 +197,13 @@ def _print(res: dict, target_pct: float) -> None:
         ok = "ok" if row["step_s"]["overhead_pct"] <= target_pct else "over"
         print(f"  N={n:<4} " + "  ".join(cells) + f"  -> {row['step_s']['overhead_pct']:+.2f} % ({ok} for "
               f"<= {target_pct} %)")
+    print("the checks' cost inside each run (interval holding a check minus the others, medians), over N steps:")
+    for n, row in ov["intervals"].items():
+        r = row.get("in_run")
+        if r:
+            ok = "ok" if r["overhead_pct"] <= target_pct else "over"
+            print(f"  N={n:<4} {r['check_extra_s'] * 1e3:7.2f} ms per check -> {r['overhead_pct']:+.3f} % "
+                  f"(runs {r['min_pct']:+.3f} to {r['max_pct']:+.3f} %; {ok} for <= {target_pct} %)")
 
 
 def main(argv: list[str] | None = None) -> int:
