@@ -514,3 +514,18 @@ def test_detection_table_medians_and_ratio():
     learned = next(line.split() for line in text.splitlines() if " learned " in line and "->" not in line)
     assert learned[:6] == ["sigstop", "0.1", "learned", "3", "1.1", "1.6"], text  # medians of the three
     assert "fault -> resumed 121.0 s fixed vs 1.6 s learned (76x)" in text, text
+
+
+def test_bench_verify_measures_the_checks_inside_a_run() -> None:
+    """A check at the start of every 10th minibatch (between the lines for steps s-1 and s,
+    s % 10 == 0) that adds 20 ms to 25 ms steps: 20 ms per check, 8 % over 10 steps; the
+    intervals before the warmup and N < 2 (no interval without a check) are left out."""
+    import bench_verify as bv
+
+    t, seen = 0.0, []
+    for s in range(100):
+        t += 0.025 + (0.020 if s % 10 == 0 else 0.0) + (1.0 if s == 5 else 0.0)
+        seen.append((s, t))
+    got = bv.in_run_cost(seen, every=10, warmup=10)
+    assert abs(got["check_extra_s"] - 0.020) < 1e-9 and abs(got["in_run_overhead_pct"] - 8.0) < 1e-6, got
+    assert bv.in_run_cost(seen, every=1, warmup=10) == {}
