@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from . import tracked
+
 CHUNK = 1 << 21  # words per weighted sum: bounds the temporary to 16 MiB
 _MASK = (1 << 64) - 1
 _weights: dict[torch.device, torch.Tensor] = {}
@@ -149,13 +151,15 @@ def state_items(models: Iterable[Any], optimizers: Iterable[Any]) -> list[tuple[
                 named[id(b)] = f"m{i}.{n}"
                 items.append((named[id(b)], b))
     for j, opt in enumerate(optimizers):
+        # ZeRO: each rank's optimizer state is of its own partition, not a replica (tracked.py)
+        sharded = tracked.is_sharded(opt)
         for g, group in enumerate(opt.param_groups):
             items.append((f"o{j}.group{g}", sorted(((k, v) for k, v in group.items() if k != "params"), key=str)))
             for k, p in enumerate(group["params"]):
                 if id(p) not in named:
                     named[id(p)] = f"o{j}.g{g}.p{k}"
                     items.append((named[id(p)], p))
-                st = opt.state.get(p, {})
+                st = {} if sharded else opt.state.get(p, {})
                 for key in sorted(st, key=str):
                     items.append((f"o{j}:{named[id(p)]}.{key}", st[key]))
     return items

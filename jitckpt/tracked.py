@@ -37,7 +37,18 @@ def models() -> list[Any]:
 
 
 def optimizers() -> list[Any]:
-    return [o for o in (r() for r in _optimizers) if o is not None]
+    """The live optimizers, less the ones a ZeroRedundancyOptimizer runs on its own
+    partition (``.optim``): that state is this rank's alone."""
+    opts = [o for o in (r() for r in _optimizers) if o is not None]
+    inner = {id(o.optim) for o in opts if is_sharded(o) and getattr(o, "optim", None) is not None}
+    return [o for o in opts if id(o) not in inner]
+
+
+def is_sharded(opt: Any) -> bool:
+    """A ZeroRedundancyOptimizer: every rank holds the optimizer state of its own partition
+    of the parameters only, so that state is no replica of anything (its parameters and
+    hyperparameters are)."""
+    return any(c.__name__ == "ZeroRedundancyOptimizer" for c in type(opt).__mro__)
 
 
 def track_optimizers() -> None:

@@ -146,3 +146,43 @@ def test_deterministic_across_processes_and_thread_counts():
     big = torch.randn(3_000_000, generator=torch.Generator().manual_seed(9))
     here = compute(state_items([m], [opt]) + [("big", big)]).digest
     assert got == [here, here]
+
+
+_ZERO = """
+import os, sys, torch, torch.distributed as dist
+from jitckpt import tracked
+from jitckpt.fingerprint import compute, state_items
+rank = int(sys.argv[1])
+tracked.track_optimizers()
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+for step in range(3):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+    model(x).square().mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+opts = tracked.optimizers()
+assert opts == [opt], opts  # the inner optimizer of the local partition is left out
+print("DIGEST", compute(state_items([model], opts)).digest, compute(state_items([model], [opt.optim])).digest)
+dist.destroy_process_group()
+"""
+
+
+def test_zero_sharded_optimizer_state_is_no_replica(tmp_path):
+    """ZeroRedundancyOptimizer: each rank keeps the optimizer state of its own partition, so
+    the replicas' fingerprints cover the parameters and hyperparameters but not that state
+    (else every ZeRO job's restore would be refused); the partition's own optimizer (what
+    the replicas must not compare) does differ across the two ranks."""
+    init = tmp_path / "init"
+    procs = [subprocess.Popen([sys.executable, "-c", _ZERO, str(r), str(init)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [next(ln.split()[1:] for ln in o.splitlines() if ln.startswith("DIGEST")) for o, _ in outs]
+    assert got[0][0] == got[1][0], got  # the replicated state agrees
+    assert got[0][1] != got[1][1], got  # each rank's partition differs: comparing it would refuse
