@@ -12,7 +12,8 @@ The path of one migration ``g`` of rank R from node A to node B (protocol keys i
    that file, marks R as moved (so R's wrapper exiting is not a failure), dumps R
    with CRIU (``--jit-dir`` tmpfs, images checksummed), and ships the images plus
    the files R holds open that live on A's private disk (its output file, at the
-   size of the dump) to B through the coordination store (:mod:`jitrun.transfer`).
+   size of the dump) to B over a direct stream to B's agent (:mod:`jitrun.stream`,
+   checked under the job token; the store carries only the announcement and B's port).
 3. B's agent (:class:`Target`, a thread with its own store connection) writes the
    files at the same paths, restores R under ``python -m jitrun.criu restore``
    (a child subreaper that forwards stop signals), writes R's resume file with B's

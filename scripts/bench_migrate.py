@@ -1,4 +1,4 @@
-"""CRIU migration of a 2-rank torch gloo job on this host, phase by phase (issue 13).
+"""CRIU migration of a 2-rank torch gloo job on this host, phase by phase.
 
     python scripts/bench_migrate.py [--steps 30] [--pause-at 12] [--ddp]
     python scripts/bench_migrate.py --jitrun [--d-model 64] [--repeat 1]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Provision a CRIU that works on the running kernel (issue 13). Idempotent.
+# Provision a CRIU that works on the running kernel. Idempotent.
 #
 #   scripts/build_criu.sh                 # fail (exit 1) with the reason when no CRIU can be had
 #   scripts/build_criu.sh --best-effort   # print the reason, exit 0 (`make test`: CRIU tests then skip)

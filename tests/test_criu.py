@@ -1,4 +1,4 @@
-"""CRIU dump/restore of real processes (issue 13, the foundation under migration).
+"""CRIU dump/restore of real processes (the foundation under migration).
 
 Each worker runs as PID 1 of its own PID namespace (jitrun.criu.migratable_command),
 is dumped (killing it), restored, and must continue its deterministic sequence bit

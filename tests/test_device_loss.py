@@ -1,4 +1,4 @@
-"""A rank's device dies while its process lives (issue 13 item 4, paper §4.3 with §4.2.2).
+"""A rank's device dies while its process lives (paper §4.3 with §4.2.2).
 
 Three ranks of the stand-in data-parallel program (`dp`: compute and NCCL
 streams, grouped gradient all-reduce, a grad-norm all-reduce and a momentum

@@ -1,4 +1,4 @@
-"""What jitrun says about a job is what happened (issue 14, "drop-in truth"):
+"""What jitrun says about a job is what happened ("drop-in truth"):
 
 * a script without jitckpt (no save_fn) restarts on its own checkpoints:
   jitrun never says "from scratch", and reports no redone-minibatch count

@@ -1,4 +1,4 @@
-"""Freeing EC snapshot memory (issue 12): chunks go when the job ends (normally or after giving up),
+"""Freeing EC snapshot memory: chunks go when the job ends (normally or after giving up),
 `jitrun clean --jit-dir DIR` removes a job's chunks and stale temp files (never a complete checkpoint unless
 --all), and a job never reads another job's chunks.
 

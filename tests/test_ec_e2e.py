@@ -1,4 +1,4 @@
-"""EC snapshots end to end (issue 12 acceptance) with real torch (gloo) under jitrun.
+"""EC snapshots end to end with real torch (gloo) under jitrun.
 
 Every worker of the job is SIGKILLed at the same minibatch start, so no replica can take a JIT checkpoint:
 the job must come back from the newest committed EC snapshot, bit-identical to a failure-free run,

@@ -1,4 +1,4 @@
-"""EC snapshots' memory cap (--jit-ec-max-mem, issue 12): what jitrun checks at start, what each node checks at
+"""EC snapshots' memory cap (--jit-ec-max-mem): what jitrun checks at start, what each node checks at
 the first snapshot (2 versions x its chunks + its staging under its cap, else EC off for the job, loudly,
 training goes on), and the job under jitrun.
 

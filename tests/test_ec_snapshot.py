@@ -1,4 +1,4 @@
-"""EC snapshots (issue 12, items 2-3): the snapshot/commit protocol and the restore, on one machine.
+"""EC snapshots: the snapshot/commit protocol and the restore, on one machine.
 
 Several real worker processes (gloo over a TCPStore, as under jitrun) stand for the ranks of several
 nodes; each "node" has its own directory in place of /dev/shm (JITCKPT_EC_SHM), so losing a node is

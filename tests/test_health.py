@@ -1,4 +1,4 @@
-"""Device health through NVML (issue 13 item 5), against the CPU stand-in
+"""Device health through NVML, against the CPU stand-in
 libnvidia-ml.so.1 (build/sim, libintercept/sim/nvml.c) loaded by the real pynvml:
 each failure kind is reported with its reason; a device that fails while the job
 runs makes jitrun stop its rank with a JIT checkpoint and restart without the device

@@ -1,4 +1,4 @@
-"""``jitrun --jit-migratable on`` (issue 13): every worker is PID 1 of its own PID
+"""``jitrun --jit-migratable on``: every worker is PID 1 of its own PID
 namespace, session leader, output in a file of its own under the jit dir, and
 where each rank runs is recorded in ``<jit dir>/migrate/where.json``. The job
 trains as without the flag (bit-identical to plain torchrun) and the JIT

@@ -1,4 +1,4 @@
-"""CRIU migration of a real torch gloo rank (issue 13, the mechanism under `jitrun migrate`).
+"""CRIU migration of a real torch gloo rank (the mechanism under `jitrun migrate`).
 
 Two ranks train with a gloo process group over a TCPStore that neither of them
 hosts (the test, or a store process on node 0, does: as jitrun's agent does).

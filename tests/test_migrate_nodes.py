@@ -1,4 +1,4 @@
-"""``jitrun migrate`` across nodes (issue 13): the demo trains on 2 nodes (network
+"""``jitrun migrate`` across nodes: the demo trains on 2 nodes (network
 namespaces, each agent with a private tmpfs jit dir and /dev/shm) under
 ``--jit-migratable on``; a third node runs a spare agent of the same job. One rank,
 or every rank of a node, is moved to the spare by ``jitrun migrate`` run on the
@@ -162,7 +162,7 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
 
 
 def test_failing_device_moves_its_rank_live(mn_reference, criu_ok):  # noqa: F811
-    """Issue 13 item 5: NVML (the stand-in libnvidia-ml.so.1) reports node 1's device
+    """NVML (the stand-in libnvidia-ml.so.1) reports node 1's device
     lost while it trains; jitrun's health monitor asks the scheduler hook, which
     answers migrate to the spare: the rank moves live, nothing restarts."""
     ref = mn_reference(2, 1, STEPS)

@@ -1,4 +1,4 @@
-"""`jitrun plan` learns the EC tier (issue 12): the cost model's EC functions (jitckpt.model) and the plan's
+"""`jitrun plan` learns the EC tier: the cost model's EC functions (jitckpt.model) and the plan's
 EC columns (jitrun.plan)."""
 
 from __future__ import annotations

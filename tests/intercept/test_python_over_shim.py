@@ -1,4 +1,4 @@
-"""In-place recovery is the default for Python workers too (issue 11): a
+"""In-place recovery is the default for Python workers too: a
 script with no jitckpt code, launched by `jitrun --jit-intercept on`, whose
 device work runs on the stand-in (dp_torch.py drives dp.c's steps through
 ctypes; torch's backward and optimizer step mark the phases). jitckpt's
