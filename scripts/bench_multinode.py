@@ -2,6 +2,7 @@
 
     python scripts/bench_multinode.py [--quick] [--cases a,b,c] [--cap 150] [--json FILE] [--publish]
                                       [--keep DIR] [--reparse DIR] [-v]
+                                      [--repeats N] [--launchers jitrun,torchrun]
     python scripts/bench_recovery.py --multinode [the same options]
 
 Needs root (network and mount namespaces: tests/netns.py, the multi-node test
@@ -48,6 +49,11 @@ recover b or c: its c10d rendezvous does not republish MASTER_ADDR for a
 later round, so a node that joins after the first round times out (~60 s).
 Every run is capped at ``--cap`` s; a run still going then is killed (every
 process in the run's namespaces, by PID) and reported as failed.
+
+``--repeats N`` runs every case N times (rounds: every case once per round, the
+launcher order alternating) and adds a table of medians (min-max) per case and
+launcher; ``--launchers jitrun`` leaves torchrun's runs out (its b and c fail by
+design and take the cap each).
 
 Reference: one failure-free plain torchrun run of the same world in
 namespaces (no checkpoints). "identical" = final model+optimizer state equal
@@ -99,6 +105,7 @@ import argparse
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +142,7 @@ LAUNCHERS = ("jitrun", "torchrun")
 class MNRun:
     case: str  # a | b | c | ref
     launcher: str  # jitrun | torchrun
+    rep: int = 0  # which repetition (--repeats)
     fault_step: int | None = None  # F
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)  # agents on the killed node
@@ -165,7 +173,9 @@ class MNRun:
 
     @property
     def name(self) -> str:
-        return self.case if self.case == "ref" else f"{self.case}-{self.launcher}"
+        if self.case == "ref":
+            return "ref"
+        return f"{self.case}-{self.launcher}" + (f"-{self.rep + 1}" if self.rep else "")
 
     @property
     def wall_s(self) -> float | None:
@@ -176,6 +186,10 @@ class MNRun:
 
     def fail_to_caught_up_s(self) -> float | None:
         return _sub(self.caught_up_t, self.fault_t)
+
+    def replacement_to_resumed_s(self) -> float | None:
+        """c: from the replacement's start to the first step line after the restart."""
+        return _sub(self.first_done_t, self.replacement_started_t)
 
     def recovered(self) -> bool:
         return self.error is None and self.first_done_t is not None
@@ -282,7 +296,7 @@ def ratios(runs: list[MNRun]) -> dict[str, dict]:
     seconds and the ratios jitrun/torchrun (None unless both recovered)."""
     out = {}
     for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
-        by = {r.launcher: r for r in runs if r.case == case}
+        by = {r.launcher: r for r in runs if r.case == case and r.rep == 0}
         j, t = by.get("jitrun"), by.get("torchrun")
         both = bool(j and t and j.recovered() and t.recovered())
         rec: dict = {"both_recovered": both,
@@ -322,6 +336,40 @@ def table(runs: list[MNRun], delay: float = 3.0) -> str:
             mid = f"| - | - | failed: {r.error} | - "
         rows.append(f"| {case_label(r.case, delay)} | {r.launcher} | {_codes(r)} | {_f(r.progress_step, '{}')} {mid}"
                     f"| {_f(r.wall_s, '{:.1f}')} | {ident} |")
+    return "\n".join(rows)
+
+
+def medians(runs: list[MNRun]) -> list[dict]:
+    """Per case and launcher over the repetitions: how many recovered bit-identically, and the
+    median (min, max) of fail->resumed, fail->caught up and (c) replacement start->resumed."""
+    out = []
+    for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
+        for launcher in dict.fromkeys(r.launcher for r in runs if r.case == case):
+            rs = [r for r in runs if r.case == case and r.launcher == launcher]
+            row: dict = {"case": case, "launcher": launcher, "runs": len(rs),
+                         "recovered_identical": sum(1 for r in rs if r.recovered() and r.identical)}
+            for key, fn in (("fail_to_resumed", MNRun.fail_to_resumed_s),
+                            ("fail_to_caught_up", MNRun.fail_to_caught_up_s),
+                            ("replacement_to_resumed", MNRun.replacement_to_resumed_s)):
+                xs = [x for r in rs if r.recovered() and (x := fn(r)) is not None]
+                row[key] = ({"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+                            if xs else None)
+            out.append(row)
+    return out
+
+
+def median_table(runs: list[MNRun], delay: float = 3.0) -> str:
+    head = ("| case | launcher | recovered bit-identical | fail->resumed s | fail->caught up s "
+            "| replacement start->resumed s |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(x: dict | None) -> str:
+        return "-" if x is None else f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f}, n={x['n']})"
+
+    for m in medians(runs):
+        rows.append(f"| {case_label(m['case'], delay)} | {m['launcher']} | {m['recovered_identical']}/{m['runs']} "
+                    f"| {cell(m['fail_to_resumed'])} | {cell(m['fail_to_caught_up'])} "
+                    f"| {cell(m['replacement_to_resumed'])} |")
     return "\n".join(rows)
 
 
@@ -369,10 +417,12 @@ def write_json(path: Path, args: dict, ref: MNRun | None, runs: list[MNRun], tot
 
     def rec(r: MNRun) -> dict:
         return {**asdict(r), "name": r.name, "wall_s": r.wall_s, "fail_to_resumed_s": r.fail_to_resumed_s(),
-                "fail_to_caught_up_s": r.fail_to_caught_up_s(), "recovered": r.recovered()}
+                "fail_to_caught_up_s": r.fail_to_caught_up_s(),
+                "replacement_to_resumed_s": r.replacement_to_resumed_s(), "recovered": r.recovered()}
 
     path.write_text(json.dumps({"args": args, "total_s": total_s, "reference": rec(ref) if ref else None,
-                                "runs": [rec(r) for r in runs], "ratios": ratios(runs)}, indent=1))
+                                "runs": [rec(r) for r in runs], "ratios": ratios(runs), "medians": medians(runs)},
+                               indent=1))
 
 
 # -- running (namespaces) -----------------------------------------------------------
@@ -459,10 +509,10 @@ def command(launcher: str, node, nodes0_addr: str, args, *, out: Path, jit: str,
     return cmd
 
 
-def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None) -> MNRun:
+def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, rep: int = 0) -> MNRun:
     """One job on a fresh 2-node cluster; kills/starts nodes as ``case`` says."""
     netns = _harness()
-    run = MNRun(case=case, launcher=launcher, fault_step=None if case == "ref" else args.fault_step,
+    run = MNRun(case=case, launcher=launcher, rep=rep, fault_step=None if case == "ref" else args.fault_step,
                 cap_s=args.cap)
     d = work / run.name
     shutil.rmtree(d, ignore_errors=True)
@@ -579,6 +629,9 @@ def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
           f"last step {ref.last_step}{'  ERROR ' + ref.error if ref.error else ''}\n")
     print(table(runs, args.replace_delay))
     print()
+    if getattr(args, "repeats", 1) > 1:  # callers building their own Namespace have none
+        print(median_table(runs, args.replace_delay))
+        print()
     print(ratio_table(runs, args.replace_delay))
     extra = details(runs)
     if extra:
@@ -622,7 +675,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="cases a and c only, 60 steps, F=27, cap 100 s")
     ap.add_argument("--reparse", default=None, metavar="DIR", help="analyse the runs kept by --keep DIR again")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo every line as it is read")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every case (medians table when > 1)")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS), help="which launchers (default jitrun,torchrun)")
     args = ap.parse_args(argv)
+    launchers = tuple(x for x in LAUNCHERS if x in args.launchers.split(","))
+    if not launchers or args.repeats < 1:
+        ap.error("--launchers needs jitrun and/or torchrun; --repeats at least 1")
     if args.quick:
         args.cases, args.steps, args.fault_step, args.cap = "a,c", 60, 27, 100.0
     cases = [x.strip() for x in args.cases.split(",") if x.strip()]
@@ -638,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         if "ref" not in found:
             ap.error(f"--reparse: no kept reference run under {work}")
         ref = found.pop("ref")
-        runs = sorted(found.values(), key=lambda r: (r.case, LAUNCHERS.index(r.launcher)))
+        runs = sorted(found.values(), key=lambda r: (r.case, LAUNCHERS.index(r.launcher), r.rep))
         return report(args, ref, runs, None)
     why = _harness().Cluster.unavailable()
     if why:
@@ -658,9 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         if ref.error or not (work / "ref" / "final.pt").exists():
             print(f"reference run failed: {ref.error}; logs in {work / 'ref'}", file=sys.stderr)
             return 1
-        for i, case in enumerate(cases):
-            for launcher in (LAUNCHERS if i % 2 else LAUNCHERS[::-1]):  # torchrun first, then alternating
-                r = run_one(case, launcher, args, work, work / "ref" / "final.pt")
+        for k, (rep, case) in enumerate((rep, case) for rep in range(args.repeats) for case in cases):
+            for launcher in (launchers if k % 2 else launchers[::-1]):  # torchrun first, then alternating
+                r = run_one(case, launcher, args, work, work / "ref" / "final.pt", rep)
                 runs.append(r)
                 print(f"  ran {r.name:<12} wall {_f(r.wall_s, '{:.1f}')}s"
                       f"{'  failed: ' + r.error if r.error else ''}", flush=True)
@@ -668,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     order = {c: i for i, c in enumerate(cases)}
-    runs.sort(key=lambda r: (order[r.case], LAUNCHERS.index(r.launcher)))
+    runs.sort(key=lambda r: (order[r.case], LAUNCHERS.index(r.launcher), r.rep))
     return report(args, ref, runs, time.time() - t0)
 
 if __name__ == "__main__":

@@ -529,3 +529,25 @@ def test_bench_verify_measures_the_checks_inside_a_run() -> None:
     got = bv.in_run_cost(seen, every=10, warmup=10)
     assert abs(got["check_extra_s"] - 0.020) < 1e-9 and abs(got["in_run_overhead_pct"] - 8.0) < 1e-6, got
     assert bv.in_run_cost(seen, every=1, warmup=10) == {}
+
+
+def test_multinode_medians_over_repetitions():
+    """--repeats: per case and launcher, how many recovered bit-identically and the median
+    (min-max) of each duration, the replacement's start->resumed for c; the runs' names and
+    the ratios keep to the first repetition."""
+    runs = []
+    for rep, shift in enumerate((0.0, 2.0, 1.0)):
+        j, kill_t, resumed = mn_jitrun_c()
+        j.rep, j.identical = rep, rep != 1
+        j.first_done_t += shift  # 9.1 s, 11.1 s, 10.1 s after the kill; 6.1, 8.1, 7.1 s after the replacement
+        runs.append(j)
+    assert [r.name for r in runs] == ["c-jitrun", "c-jitrun-2", "c-jitrun-3"]
+    (m,) = bm.medians(runs)
+    assert (m["case"], m["launcher"], m["runs"], m["recovered_identical"]) == ("c", "jitrun", 3, 2)
+    base = resumed + 0.03 + 0.1 - kill_t
+    assert m["fail_to_resumed"]["median"] == pytest.approx(base + 1.0)
+    assert (m["fail_to_resumed"]["min"], m["fail_to_resumed"]["max"]) == (pytest.approx(base), pytest.approx(base + 2))
+    assert m["replacement_to_resumed"]["median"] == pytest.approx(base + 1.0 - 3.0)
+    rows = bm.median_table(runs).splitlines()
+    assert len(rows) == 3 and "| jitrun | 2/3 |" in rows[2], rows
+    assert bm.ratios(runs)["c"]["fail_to_resumed"]["jitrun_s"] == pytest.approx(base)
