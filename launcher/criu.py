@@ -360,10 +360,15 @@ def verify(images_dir: str | os.PathLike) -> dict:
 
 def restore(images_dir: str | os.PathLike, *, tcp_established: bool = True, network_lock: str = "nftables",
             shell_job: bool = False, verify_first: bool = True, extra_args: Sequence[str] = (),
-            criu: str | None = None, timeout: float | None = 300.0) -> int:
+            criu: str | None = None, timeout: float | None = 300.0, as_child: bool = False) -> int:
     """``criu restore --restore-detached`` of ``images_dir``; return the restored root's
     host PID. Its parent becomes the nearest child subreaper (or init): a caller that
-    wants to wait for it sets PR_SET_CHILD_SUBREAPER first."""
+    wants to wait for it sets PR_SET_CHILD_SUBREAPER first. ``as_child``: the root is
+    restored as the caller's own child (``--restore-sibling``; the caller reaps it). That
+    is the only way a root whose parent-death signal is set survives: restored detached,
+    its parent is criu, which exits right after, and the kernel sends the signal then.
+    A worker's main thread carries one (the migratable wrapper sets it) whenever the
+    thread that parked it for a dump was another one."""
     criu = criu or find_criu()
     d = Path(images_dir)
     if verify_first:
@@ -372,6 +377,7 @@ def restore(images_dir: str | os.PathLike, *, tcp_established: bool = True, netw
     with tempfile.TemporaryDirectory(prefix="jitckpt-restore-") as tmp:
         pidfile = Path(tmp) / "pid"
         cmd = [criu, "restore", "-D", str(d), "-o", RESTORE_LOG, "--restore-detached",
+               *(["--restore-sibling"] if as_child else []),
                "--pidfile", str(pidfile), *_common(tcp_established, network_lock, shell_job), *extra_args]
         cp = _run(cmd, timeout)
         if cp.returncode != 0:
@@ -513,7 +519,7 @@ def _restore_main(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     t0 = time.monotonic()
     try:
-        pid = restore(images)
+        pid = restore(images, as_child=True)
     except CriuError as e:
         print("FAILED " + " ".join(str(e).split()), flush=True)
         return 3

@@ -157,6 +157,48 @@ def test_torch_worker_continues_bit_identically(criu_bin, procs, subreaper, tmp_
     print(f"torch worker: dump {res.seconds:.3f}s ({res.image_bytes / 1e6:.1f} MB), restore {restore_s:.3f}s")
 
 
+DEATHSIG_WORKER = textwrap.dedent('''
+    import ctypes, signal, sys, time
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG, as the exec wrapper sets it
+    out, steps = sys.argv[1], int(sys.argv[2])
+    for i in range(steps):
+        with open(out, "a") as f:
+            f.write(f"{i}\\n")
+        time.sleep(0.02)
+    with open(out, "a") as f:
+        f.write("done\\n")
+''')
+
+
+def test_a_root_with_a_parent_death_signal_survives_the_restore_helper(criu_bin, procs, subreaper, tmp_path):
+    """A worker whose main thread has a parent-death signal (jitrun's migratable wrapper
+    sets SIGKILL; a lost device's park clears only the parking thread's): restored
+    detached, its parent is criu, which exits right after, so it is killed at once;
+    the restore helper jitrun uses restores it as its own child and it finishes."""
+    script = tmp_path / "worker.py"
+    script.write_text(DEATHSIG_WORKER)
+    results = {}
+    for how in ("detached", "helper"):
+        out = tmp_path / f"out-{how}.txt"
+        outer, pid = procs.start([sys.executable, str(script), str(out), str(STEPS)])
+        _wait_lines(out, 5, 60)
+        criu.dump(pid, tmp_path / f"img-{how}")
+        outer.wait(timeout=10)
+        if how == "detached":
+            new = criu.restore(tmp_path / f"img-{how}")
+            procs.pids.append(new)
+            results[how] = _wait_exit(new, 60)
+            continue
+        helper = subprocess.Popen(criu.restore_and_wait_command(tmp_path / f"img-{how}"), stdout=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        line = helper.stdout.readline().split()
+        assert line[:1] == ["RESTORED"], line
+        procs.pids.append(int(line[1]))
+        results[how] = helper.wait(timeout=60)
+        assert _lines(out)[-1] == "done" and len(_lines(out)) == STEPS + 1
+    assert results == {"detached": -9, "helper": 0}, results
+
+
 def test_corrupt_images_are_refused_before_restore(criu_bin, procs, tmp_path):
     (tmp_path / "worker.py").write_text(PY_WORKER)
     out = tmp_path / "out.txt"

@@ -187,7 +187,9 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   /* A launcher may make the process die with its parent (jitrun's migratable
    * wrapper: PR_SET_PDEATHSIG). CRIU restores that, and a restored task's parent is
    * criu itself until it exits: the signal would kill it right after the restore.
-   * Off while parked, on again under the new parent. */
+   * Off while parked, on again under the new parent. Only this thread's: another
+   * thread's (the main thread's, when the watchdog thread parks) stays set, which
+   * is why jitrun restores the process as its helper's child (criu.restore). */
   int pdeath = 0;
   prctl(PR_GET_PDEATHSIG, &pdeath, 0, 0, 0);
   prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
