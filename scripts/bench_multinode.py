@@ -632,7 +632,8 @@ def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
     if getattr(args, "repeats", 1) > 1:  # callers building their own Namespace have none
         print(median_table(runs, args.replace_delay))
         print()
-    print(ratio_table(runs, args.replace_delay))
+    if {r.launcher for r in runs} == set(LAUNCHERS):
+        print(ratio_table(runs, args.replace_delay))
     extra = details(runs)
     if extra:
         print("\n" + extra)
