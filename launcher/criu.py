@@ -161,9 +161,14 @@ def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            kids = psutil.Process(outer_pid).children()
+            outer = psutil.Process(outer_pid)
+            kids = outer.children()
+            # not reaped yet: its parent (the agent, waiting here) cannot before this returns
+            done = not kids and outer.status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
-            raise CriuError(f"unshare (PID {outer_pid}) exited before its worker started") from None
+            done = True
+        if done:
+            raise CriuError(f"unshare (PID {outer_pid}) exited before its worker was seen")
         if kids:
             return kids[0].pid
         if time.monotonic() > deadline:
@@ -367,8 +372,8 @@ def restore(images_dir: str | os.PathLike, *, tcp_established: bool = True, netw
     restored as the caller's own child (``--restore-sibling``; the caller reaps it). That
     is the only way a root whose parent-death signal is set survives: restored detached,
     its parent is criu, which exits right after, and the kernel sends the signal then.
-    A worker's main thread carries one (the migratable wrapper sets it) whenever the
-    thread that parked it for a dump was another one."""
+    A migratable worker's main thread carries one (its wrapper sets it: the worker dies
+    with it), and CRIU dumps it with the process."""
     criu = criu or find_criu()
     d = Path(images_dir)
     if verify_first:

@@ -22,6 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
@@ -317,3 +318,19 @@ def test_provisioning_is_idempotent_and_cheap_when_cached(criu_bin):
     assert time.monotonic() - t0 < 10, "a provisioned CRIU must not be rebuilt"
     link = ROOT / "build" / "criu" / "criu"
     assert link.is_symlink() and os.access(link, os.X_OK)
+
+
+def test_a_wrapper_that_already_exited_is_not_waited_for():
+    """A migratable worker that finished before the agent looked for its namespace's PID 1
+    leaves its wrapper a zombie the agent (busy looking) has not reaped: that is an answer
+    at once, not a wait for the whole timeout (it held a restart for 60 s)."""
+    p = subprocess.Popen(["true"])
+    try:
+        while psutil.Process(p.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(criu.CriuError, match="exited before its worker was seen"):
+            criu.ns_init_pid(p.pid, timeout=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        p.wait()

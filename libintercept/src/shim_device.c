@@ -40,7 +40,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -183,19 +182,10 @@ const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s) {
   detach();
   ji_tls.depth--;
   ji_store_close();
-
-  /* A launcher may make the process die with its parent (jitrun's migratable
-   * wrapper: PR_SET_PDEATHSIG). CRIU restores that, and a restored task's parent is
-   * criu itself until it exits: the signal would kill it right after the restore.
-   * Off while parked, on again under the new parent. Only this thread's: another
-   * thread's (the main thread's, when the watchdog thread parks) stays set, which
-   * is why jitrun restores the process as its helper's child (criu.restore). */
-  int pdeath = 0;
-  prctl(PR_GET_PDEATHSIG, &pdeath, 0, 0, 0);
-  prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0);
-  const char *why = park_and_replace(rank, epoch, bound_s, old);
-  prctl(PR_SET_PDEATHSIG, pdeath, 0, 0, 0);
-  return why;
+  /* A parent-death signal (jitrun's migratable wrapper sets one) is per thread and
+   * survives the dump; the restorer keeps it harmless by making the restored
+   * process its own child (launcher/criu.py restore(as_child=True)). */
+  return park_and_replace(rank, epoch, bound_s, old);
 }
 
 static const char *park_and_replace(int rank, int epoch, double bound_s, const char *old) {

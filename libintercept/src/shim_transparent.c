@@ -168,6 +168,36 @@ __attribute__((noreturn)) static void fallback(struct rec_info *ri, const char *
   ji_trigger_fallback(); /* handler (user-level JIT save) if registered, then _exit */
 }
 
+/* ---------------- store rounds ---------------- */
+/* Waits until `k` exists and reads it: 0, or -1 (the store failed, or not
+ * there by the deadline). */
+static int wait_get(const char *k, void *val, size_t n, double deadline) {
+  for (;;) {
+    int c = ji_store_check(k, 5.0);
+    if (c == 1) return ji_store_get(k, val, n, 5.0) ? -1 : 0;
+    if (c < 0 || ji_now() >= deadline) return -1;
+    usleep(2000);
+  }
+}
+
+/* Counts this rank in at `what`/epoch and waits for every rank until the
+ * deadline: NULL, or why not (`at` names the round in it). */
+static const char *join_all(const char *what, const char *at, int epoch, int world, double deadline) {
+  static char msg[160];
+  char k[300];
+  key(k, sizeof k, what, epoch, -1);
+  int64_t joined = 0;
+  if (ji_store_add(k, 1, &joined, 5.0)) return "the store is unreachable";
+  while (joined < world && ji_now() < deadline) {
+    usleep(2000);
+    if (ji_store_add(k, 0, &joined, 5.0)) return "the store is unreachable";
+  }
+  if (joined >= world) return NULL;
+  snprintf(msg, sizeof msg, "epoch %d did not complete: %lld of %d ranks joined%s within %.1f s", epoch,
+           (long long)joined, world, at, cfg_bound);
+  return msg;
+}
+
 /* ---------------- communicators ---------------- */
 struct comms {
   ji_vh *v[64];
@@ -199,18 +229,9 @@ static int reinit_comms(struct comms *cs, int epoch, double deadline, const char
         *why = "could not publish the new ncclUniqueId";
         return -1;
       }
-    } else {
-      int got = 0;
-      while (!got && ji_now() < deadline) {
-        int c = ji_store_check(kk, 5.0);
-        if (c < 0) break;
-        if (c == 1) got = ji_store_get(kk, &id, sizeof id, 5.0) == 0 ? 1 : -1;
-        else usleep(2000);
-      }
-      if (got != 1) {
-        *why = "no new ncclUniqueId from rank 0 of a communicator within the bound";
-        return -1;
-      }
+    } else if (wait_get(kk, &id, sizeof id, deadline)) {
+      *why = "no new ncclUniqueId from rank 0 of a communicator within the bound";
+      return -1;
     }
     ncclComm_t fresh = NULL;
     ji_tls.depth++;
@@ -305,28 +326,17 @@ static const char *dev_verify(int epoch, int world, int me, int donor, const int
   for (int j = 0; j < nlost; j++) is_lost |= lost[j] == me;
   uint64_t mine = 0, theirs = 0;
   int bad = 0;
-  if (me == donor || is_lost) {
-    const char *why = ji_dev_state_digest(&mine);
-    if (why) return why;
-  }
+  const char *why;
+  if ((me == donor || is_lost) && (why = ji_dev_state_digest(&mine))) return why;
   key(k, sizeof k, "sdig", epoch, -1);
   if (me == donor && ji_store_set(k, &mine, sizeof mine, 5.0)) return "the store is unreachable";
   if (is_lost) {
-    int c = 0;
-    while ((c = ji_store_check(k, 5.0)) == 0 && ji_now() < deadline) usleep(2000);
-    if (c != 1 || ji_store_get(k, &theirs, sizeof theirs, 5.0)) return "refill check: no state digest from the replica";
+    if (wait_get(k, &theirs, sizeof theirs, deadline)) return "refill check: no state digest from the replica";
     bad = mine != theirs;
   }
   key(k, sizeof k, "vbad", epoch, -1);
   if (ji_store_add(k, bad, NULL, 5.0)) return "the store is unreachable";
-  key(k, sizeof k, "vjoin", epoch, -1);
-  int64_t joined = 0;
-  if (ji_store_add(k, 1, &joined, 5.0)) return "the store is unreachable";
-  while (joined < world && ji_now() < deadline) {
-    usleep(2000);
-    if (ji_store_add(k, 0, &joined, 5.0)) return "the store is unreachable";
-  }
-  if (joined < world) return "refill check: not every rank reached it within the bound";
+  if ((why = join_all("vjoin", " the refill check", epoch, world, deadline))) return why;
   int64_t nbad = 0;
   key(k, sizeof k, "vbad", epoch, -1);
   if (ji_store_add(k, 0, &nbad, 5.0)) return "the store is unreachable";
@@ -467,19 +477,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
     atomic_store(&ji_dev_lost, 0);
     deadline = ji_now() + cfg_bound; /* the process may have moved: a new clock */
   }
-  key(k, sizeof k, "join", epoch, -1);
-  int64_t joined = 0;
-  if (ji_store_add(k, 1, &joined, 5.0)) fallback(&ri, "the store is unreachable");
-  while (joined < world && ji_now() < deadline) {
-    usleep(2000);
-    if (ji_store_add(k, 0, &joined, 5.0)) fallback(&ri, "the store is unreachable");
-  }
-  if (joined < world) {
-    static char msg[160];
-    snprintf(msg, sizeof msg, "epoch %d did not complete: %lld of %d ranks joined within %.1f s", epoch,
-             (long long)joined, world, cfg_bound);
-    fallback(&ri, msg);
-  }
+  if ((why = join_all("join", "", epoch, world, deadline))) fallback(&ri, why);
   int64_t bad = 0;
   key(k, sizeof k, "bad", epoch, -1);
   if (ji_store_add(k, 0, &bad, 5.0)) fallback(&ri, "the store is unreachable");
