@@ -194,9 +194,8 @@ def _print(res: dict, target_pct: float) -> None:
     print("overhead vs no checks, median ratio of interleaved runs (min-max):")
     for n, row in ov["intervals"].items():
         cells = [f"{m} {row[m]['median']:.4f} ({row[m]['min']:.3f}-{row[m]['max']:.3f})" for m in METRICS]
-        ok = "ok" if row["step_s"]["overhead_pct"] <= target_pct else "over"
-        print(f"  N={n:<4} " + "  ".join(cells) + f"  -> {row['step_s']['overhead_pct']:+.2f} % ({ok} for "
-              f"<= {target_pct} %)")
+        # no verdict here: between runs the machine drifts by more than the target (see in_run_cost)
+        print(f"  N={n:<4} " + "  ".join(cells) + f"  -> {row['step_s']['overhead_pct']:+.2f} %")
     print("the checks' cost inside each run (interval holding a check minus the others, medians), over N steps:")
     for n, row in ov["intervals"].items():
         r = row.get("in_run")
