@@ -371,8 +371,11 @@ typedef struct ji_fault {
 } ji_fault;
 extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
 /* Gate: every hook passes it after its depth check (ji_count); one relaxed
- * load unless a recovery is running. */
+ * load of ji_rcv_attn, nonzero while a recovery runs (ji_rcv_active) or some
+ * thread has a call to re-issue (ji_tls.reissue): one check for both. */
 extern _Atomic int ji_rcv_active;
+extern _Atomic int ji_rcv_attn;
+JI_HIDDEN void ji_rcv_attend(void);
 extern _Atomic unsigned ji_rcv_gen;
 extern _Atomic int ji_open_groups;
 /* Optimizer phase marks (set by shim_phases.c, read by the recovery). */
@@ -398,8 +401,7 @@ JI_HIDDEN void ji_wd_start(void);
 
 /* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
 static inline void ji_count(int id) {
-  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_active, memory_order_relaxed))) ji_rcv_gate();
-  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue_failed(-2); /* the failed call was never logged */
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_attn, memory_order_relaxed))) ji_rcv_attend();
   ji_cblock *b = ji_tls.cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;

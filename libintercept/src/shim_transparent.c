@@ -50,6 +50,7 @@
 #include "shim_internal.h"
 
 _Atomic int ji_rcv_active;
+_Atomic int ji_rcv_attn;
 _Atomic unsigned ji_rcv_gen;
 int ji_rcv_mode;
 _Atomic int ji_open_groups;
@@ -104,13 +105,22 @@ void ji_rcv_gate(void) {
   ji_park_exit();
 }
 
+/* The hooks' slow path (ji_count): wait out a running recovery; a call that
+ * met the lost device and was never logged cannot be re-issued. */
+void ji_rcv_attend(void) {
+  if (atomic_load(&ji_rcv_active)) ji_rcv_gate();
+  if (ji_tls.reissue) ji_rcv_reissue_failed(-2);
+}
+
 static void gate_up(void) {
   atomic_fetch_add(&ji_rcv_gen, 1);
   atomic_store(&ji_rcv_active, 1);
+  atomic_fetch_add(&ji_rcv_attn, 1);
 }
 static void gate_down(void) {
   pthread_mutex_lock(&g_mu);
   atomic_store(&ji_rcv_active, 0);
+  atomic_fetch_sub(&ji_rcv_attn, 1);
   pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
 }
@@ -585,12 +595,16 @@ int ji_rcv_cuda_error(int rc) {
   while (!swapped && ji_rcv_run(&f, 0) == -2) { /* another thread is inside an NCCL group: retried */
   }
   if (atomic_load(&ji_discard)) return cudaSuccess;
-  if (!ji_tls.in_block) ji_tls.reissue = 1;
+  if (!ji_tls.in_block && !ji_tls.reissue) {
+    ji_tls.reissue = 1;
+    atomic_fetch_add(&ji_rcv_attn, 1);
+  }
   return cudaSuccess;
 }
 
 void ji_rcv_reissue(ji_rec *r) {
   ji_tls.reissue = 0;
+  atomic_fetch_sub(&ji_rcv_attn, 1);
   int st = ji_replay_record(r);
   if (st) ji_rcv_reissue_failed(st);
 }
