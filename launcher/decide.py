@@ -10,10 +10,19 @@ posted by a deadline: a node that vanished posts nothing), written once with
 and names the restore step, the newest complete for every shard across all
 nodes, with the nodes that hold each shard's replica as transfer sources.
 
+One agent computes it (``Coordinator.agree``): the first to claim the round
+after posting its own inventory; the others wait for its decision instead of
+each reading every inventory (which made a failure's work and store traffic
+grow as the square of the node count). A decider whose agent stops beating
+(``recovery.alive``), or that has not decided by the caller's deadline, is
+taken over: the waiting agents compute it themselves, first writer wins as
+before. A claim record that does not verify makes every agent compute.
+
 Records, sealed under the job token (``jitckpt.auth``: key names are MACs of
 these labels) in the coordination store (``rdzv``): ``round/<r>/node/<group
 rank>`` who is in round r; ``round/<r>/inv/<node>``; ``round/<r>/handling/<node>``
-and ``round/<r>/failed``; ``round/<r>/decision``; ``decision`` (the newest
+and ``round/<r>/failed``; ``round/<r>/decider`` (the claiming agent's node id);
+``round/<r>/decision``; ``decision`` (the newest
 decision, read by agents that join later, e.g. a replacement). A record that
 does not verify is ignored with one line; a decision in force that does not
 verify stops the job (``DecisionTampered``): no node may restore a state the
@@ -62,6 +71,9 @@ class Decision:
     source: str = "replica"
     ec_step: int | None = None
     ec: dict | None = None  # the chosen EC version (k, m, ...) and why newer sources were not used
+    # the earliest last sign of life of a failed process any node posted (the failure's time
+    # when no injector stamped it), for every node's recovery record
+    last_alive: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -126,6 +138,7 @@ DECISION = auth.Schema(
     {"round": int, "step": _OPT_INT, "shards": list, "sources": dict, "shard_of_rank": dict, "nodes": list,
      "lost": list, "why": _S, "decided_by": _S, "t": (int, float), "complete": bool, "source": _S,
      "ec_step": _OPT_INT, "ec": (dict, type(None))},
+    {"last_alive": (int, float, type(None))},
     nested=_decision_parts)
 
 
@@ -336,13 +349,50 @@ class Coordinator:
                 "a state the job did not decide")
         return won
 
+    def claim(self, round_: int) -> str | None:
+        """The node id of the agent that computes ``round_``'s decision: this one if it
+        asks first. None when the claim record does not verify (every agent decides)."""
+        key = self._k("round", round_, "decider")
+        raw = self.store.compare_set(key, "", self.auth.seal(key, self.node.node_id))
+        got = self.auth.open(key, raw, f"round {round_} decider claim")
+        return got if isinstance(got, str) else None
+
+    def await_decision(self, round_: int, decider: str, until: float,
+                       silent: Callable[[list[str]], set[str]] | None = None) -> Decision | None:
+        """``round_``'s decision once published; None when ``decider``'s agent
+        stopped beating or nothing came by ``until`` (monotonic)."""
+        key = self._k("round", round_, "decision")
+        step = 0.25 if silent is not None else float("inf")  # without evidence of silence: one wait
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return None
+            if self._wait([key], time.monotonic() + min(left, step)):
+                return self._decision(key, self.store.get(key), f"restore decision of round {round_}")
+            if silent is not None and decider in silent([decider]):
+                return None
+
+    def agree(self, round_: int, compute_here: Callable[[], Decision], until: float,
+              silent: Callable[[list[str]], set[str]] | None = None) -> Decision:
+        """The job's decision for ``round_``: ``compute_here()`` (reads the
+        inventories and decides) runs on the claiming agent only, the others read
+        its result; they compute it themselves when the decider went silent or had
+        not decided by ``until``. Call after posting this node's inventory."""
+        decider = self.claim(round_)
+        if decider is not None and decider != self.node.node_id:
+            won = self.await_decision(round_, decider, until, silent)
+            if won is not None:
+                return won
+        return self.publish(compute_here())
+
     def publish(self, d: Decision) -> Decision:
         """Write ``d`` unless another agent already decided this round; return
         the decision in force."""
         key = self._k("round", d.round, "decision")
-        raw = self.store.compare_set(key, "", self.auth.seal(key, asdict(d)))
+        rec = asdict(d)
+        raw = self.store.compare_set(key, "", self.auth.seal(key, rec))
         won = self._decision(key, raw, f"restore decision of round {d.round}")
-        self.auth.put(self.store, asdict(won), "decision")
+        self.auth.put(self.store, rec if won == d else asdict(won), "decision")
         return won
 
     def decided(self, round_: int) -> Decision | None:

@@ -12,8 +12,9 @@ coordination code against real torch TCPStores, all under one job token:
   ``jitckpt.report.Reporter``; every node reads them with ``ReportReader`` into
   ``launcher.recovery.reports.ReportBook``;
 * the job-wide restore decision: ``launcher.decide.Coordinator`` (handling
-  marks, inventories, ``wait_inventories``, ``compute``, ``publish``, first
-  writer wins), then the next rendezvous round and ``Coordinator.latest``.
+  marks, inventories, ``agree``: the first agent to claim the round reads the
+  inventories (``wait_inventories``), computes and publishes, the others wait
+  for its decision), then the next rendezvous round and ``Coordinator.latest``.
 
 One node is failed (its rendezvous heartbeats stop, its ranks say nothing); its
 loss is known from evidence (the peers' collectives failed), so the survivors
@@ -302,17 +303,21 @@ class SimNode:
             self._wake()
             self._absorb(f)
         coord.post(self.round, self._inventory())
-        nodes = coord.nodes(self.round, job.n)
-        if job.args.grace is None:  # the loss is known from evidence: wait for the survivors only
-            invs = coord.wait_inventories(self.round, [n for n in nodes if n["node_id"] != job.victim],
-                                          time.monotonic() + job.args.timeout, time.monotonic() + job.args.timeout)
-        else:
-            grace = f.handling_since + job.args.grace
-            invs = coord.wait_inventories(self.round, nodes, grace, grace + 5.0)
-        self._absorb(f)
-        d = decide.compute(self.round, invs, {str(k): v for k, v in self.book.shards.items()}, nodes,
-                           decided_by=self.node.node_id)
-        won = coord.publish(d)
+        until = time.monotonic() + job.args.timeout
+
+        def compute_here() -> decide.Decision:  # as ``Restorer._decide``'s, on the claiming agent only
+            nodes = coord.nodes(self.round, job.n)
+            if job.args.grace is None:  # the loss is known from evidence: wait for the survivors only
+                invs = coord.wait_inventories(self.round, [n for n in nodes if n["node_id"] != job.victim],
+                                              until, until)
+            else:
+                grace = f.handling_since + job.args.grace
+                invs = coord.wait_inventories(self.round, nodes, grace, grace + 5.0)
+            self._absorb(f)
+            return decide.compute(self.round, invs, {str(k): v for k, v in self.book.shards.items()}, nodes,
+                                  decided_by=self.node.node_id)
+
+        won = coord.agree(self.round, compute_here, until)
         if won.step != STEP or [n["node_id"] for n in won.lost] != [job.victim]:
             raise AssertionError(f"wrong decision: step {won.step}, lost {won.lost}")
         job.cpu["decided"].append(time.thread_time() - cpu0)

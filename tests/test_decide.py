@@ -61,6 +61,65 @@ def test_decision_roundtrip_and_first_writer_wins():
     assert decide.Coordinator(store, "other", decide.NodeInfo("x", "x", "x")).latest() is None
 
 
+def _agree_all(coords, round_, until_s=10.0, silent=None):
+    """Every coordinator's ``agree`` at once (a thread each); the decisions and
+    which of them computed one."""
+    computed, got = [], {}
+
+    def one(c):
+        def compute_here():
+            computed.append(c.node.node_id)
+            invs = [inv(x.node.node_id, (4, "0", i)) for i, x in enumerate(coords)]
+            return decide.compute(round_, invs, {"0": "0"}, NODES[:len(coords)], decided_by=c.node.node_id)
+        got[c.node.node_id] = c.agree(round_, compute_here, time.monotonic() + until_s, silent)
+
+    ts = [threading.Thread(target=one, args=(c,)) for c in coords]
+    [t.start() for t in ts]
+    [t.join(30) for t in ts]
+    return got, computed
+
+
+def _coords(store, token="t", names=("a", "b", "c")):
+    return [decide.Coordinator(store, token, decide.NodeInfo(n, n, n)) for n in names]
+
+
+def test_one_agent_decides_and_the_others_read_its_decision():
+    store = dist.HashStore()
+    got, computed = _agree_all(_coords(store), 2)
+    assert len(computed) == 1, f"every agent computed the decision: {computed}"
+    assert {d.decided_by for d in got.values()} == set(computed) and len(got) == 3
+    assert all(d == got[computed[0]] for d in got.values()) and got["a"].step == 4
+    assert decide.Coordinator(store, "t", decide.NodeInfo("z", "z", "z")).latest() == got["a"]
+
+
+def test_a_decider_that_went_silent_or_never_decided_is_taken_over():
+    store = dist.HashStore()
+    a, b, c = _coords(store)
+    assert a.claim(5) == "a" and b.claim(5) == "a", "the first claim stands"
+    # a's agent stops beating after its claim: b and c decide (first writer wins)
+    t0 = time.monotonic()
+    got, computed = _agree_all([b, c], 5, silent=lambda ids: set(ids) & {"a"})
+    # (one that found the other's decision before the silence reads it)
+    assert computed and set(computed) <= {"b", "c"} and time.monotonic() - t0 < 5
+    assert got["b"] == got["c"] and got["b"].decided_by in computed
+    # no liveness evidence (static rendezvous): taken over at the deadline
+    assert a.claim(6) == "a"
+    t0 = time.monotonic()
+    got, computed = _agree_all([b, c], 6, until_s=0.5)
+    assert computed and set(computed) <= {"b", "c"} and 0.4 < time.monotonic() - t0 < 5
+    assert got["b"] == got["c"] and got["b"].decided_by in computed
+
+
+def test_a_forged_claim_makes_every_agent_decide(capsys):
+    store = dist.HashStore()
+    coords = _coords(store)
+    store.set(coords[0].auth.key("round", 7, "decider"), b"the attacker decides")
+    got, computed = _agree_all(coords, 7)
+    assert sorted(computed) == ["a", "b", "c"]
+    assert len({d.decided_by for d in got.values()}) == 1, "first writer wins: one decision for all"
+    assert "decider claim" in capsys.readouterr().err
+
+
 def test_wait_inventories_takes_busy_nodes_until_final_and_drops_silent_ones():
     store = dist.HashStore()
     me = decide.Coordinator(store, "t", decide.NodeInfo("a", "a", "a"))

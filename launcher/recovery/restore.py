@@ -172,32 +172,37 @@ class Restorer:
 
     def _decide(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
                 done_ranks: set[int], last_alive: float | None, poll: Callable[[], object]) -> decide.Decision:
-        """The job-wide decision for this failure: post this node's replicas,
-        wait for every node of the round (a node whose agent has not even
-        started handling the failure within a few seconds is taken as lost),
-        first writer wins."""
+        """The job-wide decision for this failure: post this node's replicas; the
+        first agent to claim the round waits for every node of it (a node whose
+        agent has not even started handling the failure within a few seconds is
+        taken as lost) and decides, the others read its decision."""
         coord = self.coord
         assert coord is not None
         inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks)
         inv["last_alive"] = last_alive
         coord.post(round_, inv)
-        nodes = coord.nodes(round_, group_world_size)
         # every live agent joins within a monitor tick of the first one (the
         # round's "failed" key); one that has not started by then is gone
         grace = f.handling_since + 3.0
         final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
-        invs = coord.wait_inventories(round_, nodes, grace, final,
-                                      silent=self.silence.silent if self.silence is not None else None)
-        # the other nodes posted after their savers exited: their ranks'
-        # reports (checkpoint_saved, the step in progress) are in the store
-        # now, and the record this node may write needs them
-        poll()
-        d = decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
-                           decided_by=self._node.node_id)
-        lives = [i["last_alive"] for i in invs if i.get("last_alive")]
-        if f.fault_t is None and lives:
-            f.fault_t = min(min(lives), f.detected_t)
-        won = coord.publish(d)
+        silent = self.silence.silent if self.silence is not None else None
+
+        def compute_here() -> decide.Decision:
+            nodes = coord.nodes(round_, group_world_size)
+            invs = coord.wait_inventories(round_, nodes, grace, final, silent=silent)
+            # the other nodes posted after their savers exited: their ranks'
+            # reports (checkpoint_saved, the step in progress) are in the store
+            # now, and the decision needs them
+            poll()
+            d = decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
+                               decided_by=self._node.node_id)
+            d.last_alive = min((i["last_alive"] for i in invs if i.get("last_alive")), default=None)
+            return d
+
+        won = coord.agree(round_, compute_here, final + 5.0, silent)
+        poll()  # as above, for the record this node may write
+        if f.fault_t is None and won.last_alive:
+            f.fault_t = min(won.last_alive, f.detected_t)
         self.decision = won
         self._events.emit("restore_decision", round=round_, step=won.step, why=won.why, decided_by=won.decided_by,
                           lost=[n["node_id"] for n in won.lost],
