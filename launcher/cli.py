@@ -347,8 +347,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    from torch.distributed.run import config_from_args
-
     from .devices import scheduler
 
     # every check before claim_root: a rejected command creates nothing on disk
@@ -372,6 +370,9 @@ def run(args) -> int:
     timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
     _tell_workers(args, root, job_id, timeout, fixed)
     intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
+    _warm_start_early(args, intercept)
+    from torch.distributed.run import config_from_args
+
     _torchrun_defaults(args)
     config, cmd, cmd_args = config_from_args(args)
     cmd, cmd_args = _entrypoint(args, config, cmd, cmd_args, root, intercept)
@@ -466,6 +467,27 @@ def _torchrun_defaults(args) -> None:
 
 def _prepend_pythonpath(path: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+
+
+def _warm_start_early(args, intercept: bool) -> None:
+    """Start the warm-start server before this process imports torch: a node
+    that joins a running job (a replacement) would otherwise import torch twice
+    in a row, here and then in the server, before its first worker exists.
+    Only where ``_entrypoint`` will use it, and only for a number of processes
+    per node (``auto``/``gpu``/... need torch to resolve)."""
+    if (args.jit_warm_start != "on" or intercept or args.no_python or args.run_path
+            or getattr(args, "jit_migratable", "off") == "on"):
+        return
+    try:
+        nproc = int(args.nproc_per_node)
+    except ValueError:
+        return
+    from . import warm
+
+    # torchrun's config_from_args sets OMP_NUM_THREADS=1 for several workers, later: the
+    # server's OpenMP runtime reads it when torch loads, so it must start with it
+    env = {"OMP_NUM_THREADS": "1"} if nproc > 1 and "OMP_NUM_THREADS" not in os.environ else {}
+    warm.start_server(env)
 
 
 def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) -> tuple:

@@ -39,12 +39,25 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "
 _server_env: dict[str, str] | None = None
 
 
-def start_server() -> None:
-    """Start the forkserver now so its imports overlap the rendezvous."""
+def start_server(env: dict[str, str] | None = None) -> None:
+    """Start the forkserver now (once) so its imports overlap the agent's own start
+    and the rendezvous. ``env``: variables the server starts with that jitrun's
+    own environment gets only later (set for the server's start only)."""
     global _server_env
-    _server_env = dict(os.environ)
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    if _server_env is not None:
+        return
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        _server_env = dict(os.environ)
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def changed_env() -> dict[str, str]:

@@ -134,3 +134,24 @@ def test_worker_titles_and_ranks_file(tmp_path: Path) -> None:
             os.killpg(p.pid, 9)
             p.communicate()
     assert p.returncode == 0, output[-3000:]
+
+
+def test_warm_workers_get_torchruns_threads(tmp_path: Path) -> None:
+    """jitrun starts its warm-start server before it imports torch itself, ahead of
+    torchrun's defaulting: the server must still start with the OMP_NUM_THREADS=1
+    torchrun gives several workers (OpenMP reads it when torch loads), so the
+    workers' thread counts are torchrun's."""
+    import subprocess
+
+    script = tmp_path / "threads.py"
+    script.write_text("import os, torch\nprint(f\"rank {os.environ['RANK']} intra-op threads "
+                      "{torch.get_num_threads()} OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS')}\", flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    got = {}
+    for name, launcher in (("torchrun", ["torch.distributed.run"]), ("jitrun", ["jitrun.cli", "--jit-dir",
+                                                                              str(tmp_path / "jit")])):
+        cp = subprocess.run([sys.executable, "-m", *launcher, "--nproc-per-node", "2", str(script)],
+                            capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+        assert cp.returncode == 0, f"{name}: {cp.stdout[-2000:]}{cp.stderr[-2000:]}"
+        got[name] = sorted(ln for ln in cp.stdout.splitlines() if ln.startswith("rank "))
+    assert len(got["torchrun"]) == 2 and got["jitrun"] == got["torchrun"], got
