@@ -1,6 +1,6 @@
 """Multi-node recovery: jitrun vs plain torchrun + periodic checkpoints, nodes as network namespaces.
 
-    python scripts/bench_multinode.py [--quick] [--cases a,b,c] [--cap 150] [--json FILE] [--publish]
+    python scripts/bench_multinode.py [--quick] [--cases a,b,c,d] [--cap 150] [--json FILE] [--publish]
                                       [--keep DIR] [--reparse DIR] [-v]
                                       [--repeats N] [--launchers jitrun,torchrun]
     python scripts/bench_recovery.py --multinode [the same options]
@@ -34,7 +34,24 @@ b  node 1 lost (every process in its namespace SIGKILLed: agent + worker)
    reports a spare parked in torch's redundancy list). The table's "failed
    in step" column shows where the kill came;
 c  node 1 lost the same way, and a replacement node started ``--replace-delay``
-   (3) s after the kill, with the same command.
+   (3) s after the kill, with the same command;
+d  jitrun only (torchrun has no erasure-coded snapshots; its d is skipped with
+   a line saying so): tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1
+   as a timed run, its world and flags: 3 nodes x 1 rank, ``--jit-ec-every 4
+   --jit-warm-start off``, 24 steps, ``--step-sleep 0.3`` (``--steps``,
+   ``--step-sleep`` and ``--fault-step`` do not apply). Ranks 0 and 1 are
+   SIGKILLed in the forward pass of step 11 (JITCKPT_FAULT, given to the
+   first three agents) and node 2 is lost when rank 0 has printed step 10: no
+   worker is left to take a JIT checkpoint and node 2's /dev/shm, one chunk
+   of every stripe, is gone, so the job must decode the EC 2+1 snapshot of
+   step 8 from the two surviving nodes' memory (minibatches 8 to 11 redone).
+   The job does not shrink: as in the test (``--nnodes 3``), a replacement
+   node with the same command (no fault) starts 4 s after the kill (the
+   survivors decide without it), and fail->resumed includes its start-up. What the test asserts is checked
+   from the events and printed: every ``restore_source`` is ``ec``, step 8,
+   k=2, m=1; ``ec_restored`` step 8; no ``checkpoint_saved``; one
+   ``recovery``, restore step 8, with a verified fingerprint, at most 4
+   minibatches redone; the ``restore_decision`` names a lost node.
 
 jitrun: ``--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-conf
 keep_alive_interval=2 --max-restarts 3 --jit-timeout 5``, per-node --jit-dir,
@@ -56,8 +73,9 @@ launcher; ``--launchers jitrun`` leaves torchrun's runs out (its b and c fail by
 design and take the cap each).
 
 Reference: one failure-free plain torchrun run of the same world in
-namespaces (no checkpoints). "identical" = final model+optimizer state equal
-to it bit for bit (scripts/compare_state.diff_states).
+namespaces (no checkpoints); d has its own (``ref-d``: 3 nodes, 24 steps).
+"identical" = final model+optimizer state equal to it bit for bit
+(scripts/compare_state.diff_states).
 
 The clock. The harness sends the merged stdout+stderr of each node's process
 tree (agent and its workers) to a log file. This script polls every log file
@@ -76,11 +94,12 @@ fault        a/jitrun: ``fault_injected`` in events.jsonl. a/torchrun (nothing
              reports it): the arrival of step F-1's line, the end of the last
              minibatch before the fault, a few ms early (the footer gives the
              error of this estimate measured on the jitrun run). b, c: the
-             moment this script killed node 1.
+             moment this script killed node 1. d: the first of node 2's kill
+             and the ranks' ``fault_injected`` events.
 restore      the step both ranks loaded after the failure (their "resumed
              from ... at step N" lines); 0 for a restart from scratch.
-failed in    P, the minibatch in progress at the failure (a: F; b/c: 1 + the
-  step       last step rank 0 printed before the kill).
+failed in    P, the minibatch in progress at the failure (a: F; b/c/d: 1 + the
+  step       last step rank 0 printed before the fault).
 redone mb    minibatches computed again: P + 1 - restore.
 fail->res    fault -> the first step line after the restart (the first
              minibatch done again: the definition of bench_recovery.py and of
@@ -106,7 +125,6 @@ import json
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -119,6 +137,7 @@ OUT_DIR = REPO / "build" / "bench"  # default, untracked
 PUBLISHED_DIR = REPO / "bench_results"  # tracked; only with --publish
 sys.path.insert(0, str(HERE))
 from compare_state import diff_states  # noqa: E402
+from netns_watch import Tail, rdzv_connected, round_complete  # noqa: E402
 
 TRAIN = str(HERE / "demo_train.py")
 PORT = 29400
@@ -134,13 +153,19 @@ CASES = {
     "a": "rank 1 killed (SIGKILL, step F backward)",
     "b": "node 1 lost, hot spare waiting",
     "c": "node 1 lost, replacement +{delay:g}s",
+    "d": "3 nodes + EC 2+1, node 2 lost + ranks 0-1 killed, replacement +4s",
 }
+# d: tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1, its world and flags
+EC_EVERY, EC_STEPS, EC_KILL_AT, EC_SLEEP, EC_REPLACE_DELAY = 4, 24, 11, 0.3, 4.0
+EC_FLAGS = ("--jit-ec-every", str(EC_EVERY), "--jit-warm-start", "off")
 LAUNCHERS = ("jitrun", "torchrun")
+STAGES = ("detection", "checkpoint", "stop", "decision", "rendezvous", "process_start", "import_and_init",
+          "checkpoint_load", "first_minibatch")  # a recovery record's, in time order
 
 
 @dataclass
 class MNRun:
-    case: str  # a | b | c | ref
+    case: str  # a | b | c | d | ref | ref-d
     launcher: str  # jitrun | torchrun
     rep: int = 0  # which repetition (--repeats)
     fault_step: int | None = None  # F
@@ -169,12 +194,13 @@ class MNRun:
     diffs: list[str] = field(default_factory=list)
     error: str | None = None  # why it did not recover ("failed: <error>" in the table)
     recovery: list[dict] = field(default_factory=list)  # jitrun's events.jsonl recovery records
+    ec: dict | None = None  # d: the EC restore as the events tell it, and what the test asserts that failed
     workdir: str | None = None
 
     @property
     def name(self) -> str:
-        if self.case == "ref":
-            return "ref"
+        if is_ref(self.case):
+            return self.case
         return f"{self.case}-{self.launcher}" + (f"-{self.rep + 1}" if self.rep else "")
 
     @property
@@ -197,6 +223,29 @@ class MNRun:
 
 def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
+
+
+def is_ref(case: str) -> bool:
+    return case.startswith("ref")
+
+
+def ref_for(case: str) -> str:
+    """The failure-free run ``case`` is compared with: d's world is another."""
+    return "ref-d" if case in ("d", "ref-d") else "ref"
+
+
+@dataclass(frozen=True)
+class World:
+    nnodes: int
+    steps: int
+    step_sleep: float
+    jitrun_flags: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(case: str, args) -> World:
+        if ref_for(case) == "ref-d":
+            return World(3, EC_STEPS, EC_SLEEP, EC_FLAGS)
+        return World(2, args.steps, args.step_sleep)
 
 
 # -- analysis (pure: tested on synthetic output) ---------------------------------------
@@ -244,7 +293,14 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
     if F is not None:
         pre = [t for t, s in steps if s == F - 1]
         run.fault_t_estimate = pre[0] if pre else None
-    if run.case == "a":
+    if run.case == "d" and run.fault_t is not None:
+        # node 2's kill or the ranks' own faults (step 11's forward, just after rank 0's line of step 10)
+        injected = [e["t"] for e in events if e.get("event") == "fault_injected"]
+        if injected and min(injected) < run.fault_t:
+            run.fault_t, run.fault_source = min(injected), "fault_injected event (before node 2's kill)"
+        run.progress_step = F  # the ranks' fault: its line-read times can trail fault_injected by ms
+        run.ec = ec_checks(events)
+    elif run.case == "a":
         injected = [e["t"] for e in events if e.get("event") == "fault_injected"]
         if injected:
             run.fault_t, run.fault_source = min(injected), "fault_injected event"
@@ -256,7 +312,7 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
         run.progress_step = max(before) + 1 if before else 0
     run.error = failure_reason(run, lines)
     if run.fault_t is None:
-        if run.case != "ref" and run.error is None:
+        if not is_ref(run.case) and run.error is None:
             run.error = "no failure happened (the job ended first)"
         return run
     after = [(t, s) for t, s in steps if t > run.fault_t]
@@ -283,6 +339,35 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
     return run
 
 
+def ec_checks(events: list[dict]) -> dict:
+    """d: the EC restore as the events tell it, and ``problems``: which of the assertions of
+    tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1 do not hold (empty: all do)."""
+    def of(name: str) -> list[dict]:
+        return [e for e in events if e.get("event") == name]
+
+    want = EC_KILL_AT // EC_EVERY * EC_EVERY  # 8: the newest snapshot committed before the kill
+    src, restored, rec, dec = of("restore_source"), of("ec_restored"), of("recovery"), of("restore_decision")
+    codes = {((e.get("ec") or {}).get("k"), (e.get("ec") or {}).get("m")) for e in src}
+    problems = []
+    if not src or {e.get("source") for e in src} != {"ec"} or {e.get("step") for e in src} != {want}:
+        problems.append(f"restore_source {[(e.get('source'), e.get('step')) for e in src]}, not all ec step {want}")
+    if codes != {(2, 1)}:
+        problems.append(f"EC code(s) {sorted(codes, key=str)}, not k=2,m=1")
+    if of("checkpoint_saved"):
+        problems.append(f"{len(of('checkpoint_saved'))} checkpoint_saved (no replica should have saved)")
+    if not restored or {e.get("step") for e in restored} != {want}:
+        problems.append(f"ec_restored steps {sorted({e.get('step') for e in restored}, key=str)}, not [{want}]")
+    if len(rec) != 1 or rec[0].get("restore_step") != want:
+        problems.append(f"recovery records' restore steps {[e.get('restore_step') for e in rec]}, not [{want}]")
+    elif not (isinstance(rec[0].get("fingerprint"), dict) and rec[0]["fingerprint"]):
+        problems.append("the recovery record carries no verified state fingerprint")
+    if not dec or not dec[0].get("lost"):
+        problems.append("the restore_decision names no lost node")
+    return {"source": src[0].get("source") if src else None, "step": src[0].get("step") if src else None,
+            "k_m": sorted(codes, key=str)[0] if len(codes) == 1 else None,
+            "lost": dec[0].get("lost") if dec else None, "problems": problems}
+
+
 def compare(run: MNRun, ref_out: Path, out: Path) -> None:
     if not out.exists() or not ref_out.exists():
         run.identical, run.diffs = False, ["final state missing"]
@@ -295,7 +380,7 @@ def ratios(runs: list[MNRun]) -> dict[str, dict]:
     """Per case: jitrun's and torchrun's fail->resumed and fail->caught-up
     seconds and the ratios jitrun/torchrun (None unless both recovered)."""
     out = {}
-    for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
+    for case in dict.fromkeys(r.case for r in runs if not is_ref(r.case)):
         by = {r.launcher: r for r in runs if r.case == case and r.rep == 0}
         j, t = by.get("jitrun"), by.get("torchrun")
         both = bool(j and t and j.recovered() and t.recovered())
@@ -343,7 +428,7 @@ def medians(runs: list[MNRun]) -> list[dict]:
     """Per case and launcher over the repetitions: how many recovered bit-identically, and the
     median (min, max) of fail->resumed, fail->caught up and (c) replacement start->resumed."""
     out = []
-    for case in dict.fromkeys(r.case for r in runs if r.case != "ref"):
+    for case in dict.fromkeys(r.case for r in runs if not is_ref(r.case)):
         for launcher in dict.fromkeys(r.launcher for r in runs if r.case == case):
             rs = [r for r in runs if r.case == case and r.launcher == launcher]
             row: dict = {"case": case, "launcher": launcher, "runs": len(rs),
@@ -382,7 +467,8 @@ def ratio_table(runs: list[MNRun], delay: float = 3.0) -> str:
         for key in ("fail_to_resumed", "fail_to_caught_up"):
             x = v[key]
             rat = (_f(x["ratio"], "{:.3f}") if x["ratio"] is not None
-                   else "- (" + ", ".join(v["not_recovered"]) + " did not recover)")
+                   else "- (" + ", ".join(v["not_recovered"]) + " did not recover)" if v["not_recovered"]
+                   else "- (torchrun not run)")
             cells.append(f"{_f(x['jitrun_s'])} | {_f(x['torchrun_s'])} | {rat}")
         rows.append(f"| {case_label(case, delay)} | {' | '.join(cells)} |")
     return "\n".join(rows)
@@ -394,10 +480,12 @@ def details(runs: list[MNRun]) -> str:
     for r in runs:
         if r.launcher == "jitrun":
             for e in r.recovery:
-                out.append(f"  {r.name:<12} events.jsonl recovery: failure->resumed {e['failure_to_resumed_s']:.2f}s "
-                           f"(detection {e['detection_s']:.2f}s, checkpoint {e['checkpoint_s']:.2f}s, "
-                           f"restart->resumed {e['restart_to_resumed_s']:.2f}s), restore step "
-                           f"{e['restore_step']}, redone {e['redone_minibatches']}")
+                st = e.get("stages") or {}
+                out.append(f"  {r.name:<12} events.jsonl recovery: failure->resumed {_f(e['failure_to_resumed_s'])}s "
+                           f"(detection {_f(e['detection_s'])}s, checkpoint {_f(e['checkpoint_s'])}s, "
+                           f"restart->resumed {_f(e['restart_to_resumed_s'])}s), restore step "
+                           f"{e['restore_step']}, redone {e['redone_minibatches']}"
+                           + "".join(f"; {k} {_f(st[k])}" for k in STAGES if k in st))
             if r.case == "a" and r.fault_t is not None and r.fault_t_estimate is not None:
                 out.append(f"  {r.name:<12} torchrun's fault-time estimate (line of step F-1) is "
                            f"{(r.fault_t - r.fault_t_estimate) * 1e3:.0f} ms early here")
@@ -405,6 +493,10 @@ def details(runs: list[MNRun]) -> str:
             conn = (f", at the rendezvous endpoint {r.fault_t - r.spare_connected_t:.1f}s before it"
                     if r.spare_connected_t is not None else "")
             out.append(f"  {r.name:<12} spare started {r.fault_t - r.spare_started_t:.1f}s before the kill{conn}")
+        if r.ec is not None:
+            out.append(f"  {r.name:<12} EC: restored from {r.ec['source']} step {r.ec['step']} (k,m = {r.ec['k_m']}), "
+                       f"lost node(s) {r.ec['lost']}; the test's assertions: "
+                       + ("all hold" if not r.ec["problems"] else "FAILED: " + "; ".join(r.ec["problems"])))
         if r.launcher == "torchrun" and r.periodic_saves:
             out.append(f"  {r.name:<12} {r.periodic_saves} periodic checkpoints written (shared host directory)")
         if r.diffs:
@@ -412,7 +504,7 @@ def details(runs: list[MNRun]) -> str:
     return "\n".join(out)
 
 
-def write_json(path: Path, args: dict, ref: MNRun | None, runs: list[MNRun], total_s: float | None) -> None:
+def write_json(path: Path, args: dict, refs: list[MNRun], runs: list[MNRun], total_s: float | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def rec(r: MNRun) -> dict:
@@ -420,34 +512,14 @@ def write_json(path: Path, args: dict, ref: MNRun | None, runs: list[MNRun], tot
                 "fail_to_caught_up_s": r.fail_to_caught_up_s(),
                 "replacement_to_resumed_s": r.replacement_to_resumed_s(), "recovered": r.recovered()}
 
+    ref = next((r for r in refs if r.case == "ref"), None)  # the 2-node world's; every one under "references"
     path.write_text(json.dumps({"args": args, "total_s": total_s, "reference": rec(ref) if ref else None,
-                                "runs": [rec(r) for r in runs], "ratios": ratios(runs), "medians": medians(runs)},
+                                "references": {r.name: rec(r) for r in refs}, "runs": [rec(r) for r in runs],
+                                "ratios": ratios(runs), "medians": medians(runs)},
                                indent=1))
 
 
 # -- running (namespaces) -----------------------------------------------------------
-
-
-class Tail:
-    """New complete lines of a growing log file, timestamped when read."""
-
-    def __init__(self, name: str, path: Path) -> None:
-        self.name, self.path, self.pos, self.buf = name, path, 0, b""
-
-    def read(self, final: bool = False) -> list[tuple[float, str, str]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        now = time.time()
-        self.pos += len(data)
-        *complete, self.buf = (self.buf + data).split(b"\n")
-        if final and self.buf:
-            complete.append(self.buf)
-            self.buf = b""
-        return [(now, self.name, raw.decode(errors="replace")) for raw in complete]
 
 
 def _harness():
@@ -457,46 +529,17 @@ def _harness():
     return netns
 
 
-def established(node) -> list[tuple[int, str, int]]:
-    """(local port, peer address, peer port) of every established TCP
-    connection in ``node``'s network namespace."""
-    cp = subprocess.run([*node.exec_prefix(), "ss", "-Htn", "state", "established"], capture_output=True,
-                        text=True, check=False)
-    out = []
-    for row in cp.stdout.splitlines():
-        cols = row.split()
-        if len(cols) >= 4:
-            local, peer = cols[-2], cols[-1]
-            try:
-                addr = peer.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")  # IPv4-mapped (dual stack)
-                out.append((int(local.rsplit(":", 1)[1]), addr, int(peer.rsplit(":", 1)[1])))
-            except (IndexError, ValueError):
-                continue
-    return out
-
-
-def round_complete(node1, node0_addr: str) -> bool:
-    """Node 1 talks to node 0 on a port other than the rendezvous endpoint's:
-    its worker's process group (gloo pairs) is up, so the first rendezvous
-    round is complete (a node arriving now cannot take part in it)."""
-    return any(peer == node0_addr and PORT not in (lp, pp) for lp, peer, pp in established(node1))
-
-
-def rdzv_connected(node, node0_addr: str) -> bool:
-    """An agent on ``node`` holds a connection to the rendezvous endpoint."""
-    return any(peer == node0_addr and pp == PORT for _, peer, pp in established(node))
-
-
 def command(launcher: str, node, nodes0_addr: str, args, *, out: Path, jit: str, fault: bool,
-            ckpt_dir: Path | None, rdzv_id: str) -> list[str]:
-    train = [TRAIN, "--steps", str(args.steps), "--step-sleep", str(args.step_sleep), "--log-every", "1",
+            ckpt_dir: Path | None, rdzv_id: str, w: World) -> list[str]:
+    train = [TRAIN, "--steps", str(w.steps), "--step-sleep", str(w.step_sleep), "--log-every", "1",
              "--out", str(out)]
-    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    rdzv = ["--nnodes", str(w.nnodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{nodes0_addr}:{PORT}", "--rdzv-id", rdzv_id]
     py = sys.executable
     if launcher == "jitrun":
         return [py, "-m", "jitrun.cli", *rdzv, "--rdzv-conf", "keep_alive_interval=2", "--max-restarts", "3",
-                "--jit-timeout", str(args.jit_timeout), "--jit-dir", jit, "--local-addr", node.addr, *train]
+                "--jit-timeout", str(args.jit_timeout), "--jit-dir", jit, "--local-addr", node.addr,
+                *w.jitrun_flags, *train]
     cmd = [py, "-m", "torch.distributed.run", *rdzv,
            "--rdzv-conf", f"is_host={int(node.index == 0)},keep_alive_interval=2", "--local-addr", node.addr]
     if ckpt_dir is not None:
@@ -510,36 +553,41 @@ def command(launcher: str, node, nodes0_addr: str, args, *, out: Path, jit: str,
 
 
 def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, rep: int = 0) -> MNRun:
-    """One job on a fresh 2-node cluster; kills/starts nodes as ``case`` says."""
+    """One job on a fresh cluster (2 nodes; d: 3); kills/starts nodes as ``case`` says."""
     netns = _harness()
-    run = MNRun(case=case, launcher=launcher, rep=rep, fault_step=None if case == "ref" else args.fault_step,
-                cap_s=args.cap)
+    w = World.of(case, args)
+    F = EC_KILL_AT if case == "d" else args.fault_step
+    run = MNRun(case=case, launcher=launcher, rep=rep, fault_step=None if is_ref(case) else F, cap_s=args.cap)
     d = work / run.name
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     run.workdir = str(d)
     out = d / "final.pt"
-    F = args.fault_step
     fault = case == "a"
     env = {**BASE_ENV, "JITCKPT_FAULT": f"rank=1,step={F},phase=backward,kind=sigkill" if fault else ""}
+    if case == "d":  # as the test: every agent but the replacement's; node 2 is lost instead of its rank's fault
+        env["JITCKPT_FAULT"] = ";".join(f"rank={r},step={F},phase=forward,kind=sigkill" for r in (0, 1))
+    victim, kill_after = (2, F - 1) if case == "d" else (1, F)  # node; rank 0's step line that triggers the kill
     if launcher == "torchrun":
         env["GLOO_SOCKET_IFNAME"] = "eth0"
     lines: list[tuple[float, str, str]] = []
-    with netns.Cluster(2, tag="b") as c:
+    with netns.Cluster(w.nnodes, tag="b") as c:
         jit = str(c.dir / "jit")
         procs, tails = {}, {}
 
         def start(node, agent: str) -> float:
             cmd = command(launcher, node, c.nodes[0].addr, args, out=out, jit=jit, fault=fault,
-                          ckpt_dir=None if case == "ref" else d / "ckpt", rdzv_id=f"bench{case}")
+                          ckpt_dir=None if is_ref(case) else d / "ckpt", rdzv_id=f"bench{case}", w=w)
             jitrun = launcher == "jitrun"
             keep = ((f"{jit}/events.jsonl", str(d / f"events-{agent}.jsonl")),) if jitrun else ()
-            p = node.run(cmd, name=agent, env=env, private_dirs=(jit,) if jitrun else (), keep=keep)
+            node_env = {**env, "JITCKPT_FAULT": ""} if agent == "replacement" else env
+            p = node.run(cmd, name=agent, env=node_env, private_dirs=(jit,) if jitrun else (), keep=keep)
             procs[agent], tails[agent] = p, Tail(agent, p.log)
             return time.time()
 
         run.t_start = start(c.nodes[0], "agent0")
-        start(c.nodes[1], "agent1")
+        for i in range(1, w.nnodes):
+            start(c.nodes[i], f"agent{i}")
         deadline = time.monotonic() + args.cap
         seen = -1  # the highest step rank 0 printed before the failure
         next_probe = 0.0
@@ -555,19 +603,20 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
                 # the spare starts once the job's first round is complete and
                 # counts as waiting 1 s after its agent reached the endpoint
                 next_probe = time.monotonic() + 0.2
-                if run.spare_started_t is None and (seen >= 0 or round_complete(c.nodes[1], c.nodes[0].addr)):
+                if run.spare_started_t is None and (seen >= 0 or round_complete(c.nodes[1], c.nodes[0].addr,
+                                                                                 PORT)):
                     run.spare_started_t = start(c.add_node(), "spare")
                 elif run.spare_connected_t is None and run.spare_started_t is not None and rdzv_connected(
-                        c.nodes[2], c.nodes[0].addr):
+                        c.nodes[2], c.nodes[0].addr, PORT):
                     run.spare_connected_t = time.time()
             spare_ready = case != "b" or (run.spare_connected_t is not None
                                           and time.time() - run.spare_connected_t >= SPARE_SETTLE_S)
-            if case in ("b", "c") and run.fault_t is None and seen >= F and spare_ready:
-                run.fault_t, run.fault_source = time.time(), "node 1 killed"
-                c.nodes[1].kill()
-                run.lost = ["agent1"]
-            if (case == "c" and run.fault_t is not None and run.replacement_started_t is None
-                    and time.time() - run.fault_t >= args.replace_delay):
+            if case in ("b", "c", "d") and run.fault_t is None and seen >= kill_after and spare_ready:
+                run.fault_t, run.fault_source = time.time(), f"node {victim} killed"
+                c.nodes[victim].kill()
+                run.lost = [f"agent{victim}"]
+            if (case in ("c", "d") and run.fault_t is not None and run.replacement_started_t is None
+                    and time.time() - run.fault_t >= (EC_REPLACE_DELAY if case == "d" else args.replace_delay)):
                 run.replacement_started_t = start(c.add_node(), "replacement")
             if all(p.popen.poll() is not None for p in procs.values()):
                 break
@@ -592,14 +641,14 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
     (d / "lines.log").write_text("".join(f"{t:.6f} {src} {line}\n" for t, src, line in lines))
     (d / "meta.json").write_text(json.dumps({k: getattr(run, k) for k in RAW}))
     analyse(run, lines, _events(d))
-    if case != "ref" and ref_out is not None and run.error is None:
+    if not is_ref(case) and ref_out is not None and run.error is None:
         compare(run, ref_out, out)
     return run
 
 
 # what a run records before analysis: enough for --reparse
-RAW = ("case", "launcher", "fault_step", "exit_codes", "lost", "timed_out", "cap_s", "t_start", "t_end", "fault_t",
-       "fault_source", "spare_started_t", "spare_connected_t", "replacement_started_t", "workdir")
+RAW = ("case", "launcher", "rep", "fault_step", "exit_codes", "lost", "timed_out", "cap_s", "t_start", "t_end",
+       "fault_t", "fault_source", "spare_started_t", "spare_connected_t", "replacement_started_t", "workdir")
 
 
 def _events(d: Path) -> list[dict]:
@@ -617,16 +666,20 @@ def load_run(d: Path) -> MNRun:
         t, src, line = (raw.split(" ", 2) + ["", ""])[:3]
         lines.append((float(t), src, line))
     analyse(run, lines, _events(d))
-    if run.case != "ref" and run.error is None:
-        compare(run, d.parent / "ref" / "final.pt", d / "final.pt")
+    if not is_ref(run.case) and run.error is None:
+        compare(run, d.parent / ref_for(run.case) / "final.pt", d / "final.pt")
     return run
 
 
-def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
+def report(args, refs: list[MNRun], runs: list[MNRun], total: float | None) -> int:
     """Print the tables and notes, write the JSON; 1 if jitrun did not
-    recover every case bit-identically."""
-    print(f"\nreference (plain torchrun, no failure): wall {_f(ref.wall_s, '{:.1f}')}s, "
-          f"last step {ref.last_step}{'  ERROR ' + ref.error if ref.error else ''}\n")
+    recover every case bit-identically (d: or an assertion of its test failed)."""
+    print()
+    for ref in refs:
+        print(f"reference {ref.name} (plain torchrun, no failure{', 3 nodes' if ref.case == 'ref-d' else ''}): "
+              f"wall {_f(ref.wall_s, '{:.1f}')}s, last step {ref.last_step}"
+              f"{'  ERROR ' + ref.error if ref.error else ''}")
+    print()
     print(table(runs, args.replace_delay))
     print()
     if getattr(args, "repeats", 1) > 1:  # callers building their own Namespace have none
@@ -638,7 +691,8 @@ def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
     if extra:
         print("\n" + extra)
     print(f"\nfault: a/jitrun the fault_injected event, a/torchrun the arrival of step {args.fault_step - 1}'s "
-          f"line; b, c: the moment node 1 was killed. fail->resumed: fault -> the first step line after the "
+          f"line; b, c: the moment node 1 was killed; d: the first of node 2's kill and the ranks' "
+          f"fault_injected. fail->resumed: fault -> the first step line after the "
           f"restart; fail->caught up: fault -> the line of the failed step after the restart (includes the "
           f"redone minibatches).")
     print(f"torchrun's periodic checkpoints (every {args.ckpt_every} steps) go to a host directory every node "
@@ -649,9 +703,10 @@ def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
     if total is not None:
         print(f"total {total:.0f}s")
     if args.json:
-        write_json(Path(args.json), vars(args), ref, runs, total)
+        write_json(Path(args.json), vars(args), refs, runs, total)
         print(f"data: {args.json}")
-    bad = [r.name for r in runs if r.launcher == "jitrun" and not (r.recovered() and r.identical)]
+    bad = [r.name for r in runs if r.launcher == "jitrun"
+           and not (r.recovered() and r.identical and not (r.ec or {}).get("problems"))]
     if bad:
         print(f"jitrun did not recover bit-identically: {', '.join(bad)}")
         return 1
@@ -661,7 +716,7 @@ def report(args, ref: MNRun, runs: list[MNRun], total: float | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="a,b,c", help="which cases (a: killed rank, b: lost node + hot spare, "
-                    "c: lost node + late replacement)")
+                    "c: lost node + late replacement, d: 3 nodes + EC 2+1, node lost, jitrun only)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--fault-step", type=int, default=47, help="F: a kills rank 1 in step F's backward pass; "
@@ -686,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cases, args.steps, args.fault_step, args.cap = "a,c", 60, 27, 100.0
     cases = [x.strip() for x in args.cases.split(",") if x.strip()]
     if bad := [x for x in cases if x not in CASES]:
-        ap.error(f"unknown case(s) {bad}; choose from a, b, c")
+        ap.error(f"unknown case(s) {bad}; choose from {', '.join(CASES)}")
     if not 1 <= args.fault_step < args.steps - 1:
         ap.error("--fault-step must leave steps after it")
     if args.json is None:
@@ -694,11 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.reparse:
         work = Path(args.reparse).resolve()
         found = {p.name: load_run(p) for p in sorted(work.iterdir()) if (p / "meta.json").exists()}
-        if "ref" not in found:
+        refs = [found.pop(n) for n in ("ref", "ref-d") if n in found]
+        if not refs:
             ap.error(f"--reparse: no kept reference run under {work}")
-        ref = found.pop("ref")
         runs = sorted(found.values(), key=lambda r: (r.case, LAUNCHERS.index(r.launcher), r.rep))
-        return report(args, ref, runs, None)
+        return report(args, refs, runs, None)
     why = _harness().Cluster.unavailable()
     if why:
         print(f"bench_multinode: cannot run: {why}", file=sys.stderr)
@@ -706,20 +761,30 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     work = Path(args.keep).resolve() if args.keep else Path(tempfile.mkdtemp(prefix="jitckpt-bench-mn-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"demo LM, 2 nodes x 1 rank (network namespaces, gloo, CPU), {args.steps} steps, --step-sleep "
-          f"{args.step_sleep}; F = {args.fault_step}; torchrun: periodic checkpoint every {args.ckpt_every} "
-          f"steps to a directory shared by all nodes; cap {args.cap:g}s per run", flush=True)
+    print("demo LM, network namespaces, gloo, CPU; "
+          + (f"2 nodes x 1 rank, {args.steps} steps, --step-sleep {args.step_sleep}; F = {args.fault_step}; "
+             f"torchrun: periodic checkpoint every {args.ckpt_every} steps to a directory shared by all nodes; "
+             if set(cases) - {"d"} else "")
+          + (f"d: 3 nodes x 1 rank, {EC_STEPS} steps, --step-sleep {EC_SLEEP}, {' '.join(EC_FLAGS)}, F = "
+             f"{EC_KILL_AT}; " if "d" in cases else "") + f"cap {args.cap:g}s per run", flush=True)
     runs: list[MNRun] = []
+    refs: list[MNRun] = []
     try:
-        ref = run_one("ref", "torchrun", args, work, None)
-        print(f"  ran {'ref':<12} wall {_f(ref.wall_s, '{:.1f}')}s"
-              f"{'  ERROR ' + ref.error if ref.error else ''}", flush=True)
-        if ref.error or not (work / "ref" / "final.pt").exists():
-            print(f"reference run failed: {ref.error}; logs in {work / 'ref'}", file=sys.stderr)
-            return 1
+        for name in dict.fromkeys(ref_for(c) for c in cases):
+            refs.append(ref := run_one(name, "torchrun", args, work, None))
+            print(f"  ran {name:<12} wall {_f(ref.wall_s, '{:.1f}')}s"
+                  f"{'  ERROR ' + ref.error if ref.error else ''}", flush=True)
+            if ref.error or not (work / name / "final.pt").exists():
+                print(f"reference run failed: {ref.error}; logs in {work / name}", file=sys.stderr)
+                return 1
         for k, (rep, case) in enumerate((rep, case) for rep in range(args.repeats) for case in cases):
             for launcher in (launchers if k % 2 else launchers[::-1]):  # torchrun first, then alternating
-                r = run_one(case, launcher, args, work, work / "ref" / "final.pt", rep)
+                if case == "d" and launcher == "torchrun":
+                    if rep == 0:
+                        print("  skip d-torchrun: torchrun has no erasure-coded in-memory snapshots (d is "
+                              "jitrun's --jit-ec-every)", flush=True)
+                    continue
+                r = run_one(case, launcher, args, work, work / ref_for(case) / "final.pt", rep)
                 runs.append(r)
                 print(f"  ran {r.name:<12} wall {_f(r.wall_s, '{:.1f}')}s"
                       f"{'  failed: ' + r.error if r.error else ''}", flush=True)
@@ -728,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     order = {c: i for i, c in enumerate(cases)}
     runs.sort(key=lambda r: (order[r.case], LAUNCHERS.index(r.launcher), r.rep))
-    return report(args, ref, runs, time.time() - t0)
+    return report(args, refs, runs, time.time() - t0)
 
 if __name__ == "__main__":
     sys.exit(main())
