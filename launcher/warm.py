@@ -3,7 +3,8 @@
 A restart spends most of its time starting Python and importing torch (and
 torch._dynamo, which DDP pulls in): seconds, against milliseconds for the JIT
 save. jitrun therefore starts multiprocessing's forkserver once per job, with
-those modules preloaded, while the first rendezvous runs; every worker of
+those modules preloaded, before it imports torch itself (the two imports
+overlap, and the server's also overlaps the first rendezvous); every worker of
 every attempt is then a fork of that server, and torchrun's agent starts it
 through its function-entrypoint path (MultiprocessContext, start method
 ``forkserver``).
