@@ -37,8 +37,8 @@ c  node 1 lost the same way, and a replacement node started ``--replace-delay``
    (3) s after the kill, with the same command;
 d  jitrun only (torchrun has no erasure-coded snapshots; its d is skipped with
    a line saying so): tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1
-   as a timed run, its world and flags: 3 nodes x 1 rank, ``--jit-ec-every 4
-   --jit-warm-start off``, 24 steps, ``--step-sleep 0.3`` (``--steps``,
+   as a timed run, its world and flags: 3 nodes x 1 rank, ``--jit-ec-every 4``
+   (and jitrun's default warm start), 24 steps, ``--step-sleep 0.3`` (``--steps``,
    ``--step-sleep`` and ``--fault-step`` do not apply). Ranks 0 and 1 are
    SIGKILLed in the forward pass of step 11 (JITCKPT_FAULT, given to the
    first three agents) and node 2 is lost when rank 0 has printed step 10: no
@@ -51,7 +51,10 @@ d  jitrun only (torchrun has no erasure-coded snapshots; its d is skipped with
    from the events and printed: every ``restore_source`` is ``ec``, step 8,
    k=2, m=1; ``ec_restored`` step 8; no ``checkpoint_saved``; one
    ``recovery``, restore step 8, with a verified fingerprint, at most 4
-   minibatches redone; the ``restore_decision`` names a lost node.
+   minibatches redone; the ``restore_decision`` names a lost node;
+e  d's job with a hot spare waiting (started and settled as in b) instead
+   of the replacement: the node loss as the EC snapshot's users meet it
+   with a spare at hand;
 
 jitrun: ``--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-conf
 keep_alive_interval=2 --max-restarts 3 --jit-timeout 5``, per-node --jit-dir,
@@ -154,10 +157,12 @@ CASES = {
     "b": "node 1 lost, hot spare waiting",
     "c": "node 1 lost, replacement +{delay:g}s",
     "d": "3 nodes + EC 2+1, node 2 lost + ranks 0-1 killed, replacement +4s",
+    "e": "3 nodes + EC 2+1, node 2 lost + ranks 0-1 killed, hot spare waiting",
 }
+EC_CASES = ("d", "e")  # d's world (tests/test_ec_e2e.py's), no torchrun run
 # d: tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1, its world and flags
 EC_EVERY, EC_STEPS, EC_KILL_AT, EC_SLEEP, EC_REPLACE_DELAY = 4, 24, 11, 0.3, 4.0
-EC_FLAGS = ("--jit-ec-every", str(EC_EVERY), "--jit-warm-start", "off")
+EC_FLAGS = ("--jit-ec-every", str(EC_EVERY))
 LAUNCHERS = ("jitrun", "torchrun")
 STAGES = ("detection", "checkpoint", "stop", "decision", "rendezvous", "process_start", "import_and_init",
           "checkpoint_load", "first_minibatch")  # a recovery record's, in time order
@@ -231,7 +236,7 @@ def is_ref(case: str) -> bool:
 
 def ref_for(case: str) -> str:
     """The failure-free run ``case`` is compared with: d's world is another."""
-    return "ref-d" if case in ("d", "ref-d") else "ref"
+    return "ref-d" if case in (*EC_CASES, "ref-d") else "ref"
 
 
 @dataclass(frozen=True)
@@ -293,7 +298,7 @@ def analyse(run: MNRun, lines: list[tuple[float, str, str]], events: list[dict])
     if F is not None:
         pre = [t for t, s in steps if s == F - 1]
         run.fault_t_estimate = pre[0] if pre else None
-    if run.case == "d" and run.fault_t is not None:
+    if run.case in EC_CASES and run.fault_t is not None:
         # node 2's kill or the ranks' own faults (step 11's forward, just after rank 0's line of step 10)
         injected = [e["t"] for e in events if e.get("event") == "fault_injected"]
         if injected and min(injected) < run.fault_t:
@@ -489,7 +494,7 @@ def details(runs: list[MNRun]) -> str:
             if r.case == "a" and r.fault_t is not None and r.fault_t_estimate is not None:
                 out.append(f"  {r.name:<12} torchrun's fault-time estimate (line of step F-1) is "
                            f"{(r.fault_t - r.fault_t_estimate) * 1e3:.0f} ms early here")
-        if r.case == "b" and r.spare_started_t is not None and r.fault_t is not None:
+        if r.case in ("b", "e") and r.spare_started_t is not None and r.fault_t is not None:
             conn = (f", at the rendezvous endpoint {r.fault_t - r.spare_connected_t:.1f}s before it"
                     if r.spare_connected_t is not None else "")
             out.append(f"  {r.name:<12} spare started {r.fault_t - r.spare_started_t:.1f}s before the kill{conn}")
@@ -556,7 +561,7 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
     """One job on a fresh cluster (2 nodes; d: 3); kills/starts nodes as ``case`` says."""
     netns = _harness()
     w = World.of(case, args)
-    F = EC_KILL_AT if case == "d" else args.fault_step
+    F = EC_KILL_AT if case in EC_CASES else args.fault_step
     run = MNRun(case=case, launcher=launcher, rep=rep, fault_step=None if is_ref(case) else F, cap_s=args.cap)
     d = work / run.name
     shutil.rmtree(d, ignore_errors=True)
@@ -565,9 +570,9 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
     out = d / "final.pt"
     fault = case == "a"
     env = {**BASE_ENV, "JITCKPT_FAULT": f"rank=1,step={F},phase=backward,kind=sigkill" if fault else ""}
-    if case == "d":  # as the test: every agent but the replacement's; node 2 is lost instead of its rank's fault
+    if case in EC_CASES:  # as the test: every agent but a replacement's; node 2 is lost instead of its rank's fault
         env["JITCKPT_FAULT"] = ";".join(f"rank={r},step={F},phase=forward,kind=sigkill" for r in (0, 1))
-    victim, kill_after = (2, F - 1) if case == "d" else (1, F)  # node; rank 0's step line that triggers the kill
+    victim, kill_after = (2, F - 1) if case in EC_CASES else (1, F)  # node; rank 0's step line that triggers the kill
     if launcher == "torchrun":
         env["GLOO_SOCKET_IFNAME"] = "eth0"
     lines: list[tuple[float, str, str]] = []
@@ -599,7 +604,7 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
                         print(f"  {item[0]:.3f} {item[1]:<11} {item[2]}", flush=True)
                     if run.fault_t is None and (m := STEP_RE.match(item[2])):
                         seen = max(seen, int(m.group(1)))
-            if case == "b" and time.monotonic() >= next_probe:
+            if case in ("b", "e") and time.monotonic() >= next_probe:
                 # the spare starts once the job's first round is complete and
                 # counts as waiting 1 s after its agent reached the endpoint
                 next_probe = time.monotonic() + 0.2
@@ -607,11 +612,11 @@ def run_one(case: str, launcher: str, args, work: Path, ref_out: Path | None, re
                                                                                  PORT)):
                     run.spare_started_t = start(c.add_node(), "spare")
                 elif run.spare_connected_t is None and run.spare_started_t is not None and rdzv_connected(
-                        c.nodes[2], c.nodes[0].addr, PORT):
+                        c.nodes[w.nnodes], c.nodes[0].addr, PORT):
                     run.spare_connected_t = time.time()
-            spare_ready = case != "b" or (run.spare_connected_t is not None
+            spare_ready = case not in ("b", "e") or (run.spare_connected_t is not None
                                           and time.time() - run.spare_connected_t >= SPARE_SETTLE_S)
-            if case in ("b", "c", "d") and run.fault_t is None and seen >= kill_after and spare_ready:
+            if case in ("b", "c", "d", "e") and run.fault_t is None and seen >= kill_after and spare_ready:
                 run.fault_t, run.fault_source = time.time(), f"node {victim} killed"
                 c.nodes[victim].kill()
                 run.lost = [f"agent{victim}"]
@@ -716,7 +721,8 @@ def report(args, refs: list[MNRun], runs: list[MNRun], total: float | None) -> i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="a,b,c", help="which cases (a: killed rank, b: lost node + hot spare, "
-                    "c: lost node + late replacement, d: 3 nodes + EC 2+1, node lost, jitrun only)")
+                    "c: lost node + late replacement, d: 3 nodes + EC 2+1, node lost, replacement, "
+                    "e: d with a hot spare; d and e jitrun only)")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--fault-step", type=int, default=47, help="F: a kills rank 1 in step F's backward pass; "
@@ -764,9 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     print("demo LM, network namespaces, gloo, CPU; "
           + (f"2 nodes x 1 rank, {args.steps} steps, --step-sleep {args.step_sleep}; F = {args.fault_step}; "
              f"torchrun: periodic checkpoint every {args.ckpt_every} steps to a directory shared by all nodes; "
-             if set(cases) - {"d"} else "")
+             if set(cases) - set(EC_CASES) else "")
           + (f"d: 3 nodes x 1 rank, {EC_STEPS} steps, --step-sleep {EC_SLEEP}, {' '.join(EC_FLAGS)}, F = "
-             f"{EC_KILL_AT}; " if "d" in cases else "") + f"cap {args.cap:g}s per run", flush=True)
+             f"{EC_KILL_AT}; " if set(cases) & set(EC_CASES) else "") + f"cap {args.cap:g}s per run", flush=True)
     runs: list[MNRun] = []
     refs: list[MNRun] = []
     try:
@@ -779,10 +785,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         for k, (rep, case) in enumerate((rep, case) for rep in range(args.repeats) for case in cases):
             for launcher in (launchers if k % 2 else launchers[::-1]):  # torchrun first, then alternating
-                if case == "d" and launcher == "torchrun":
+                if case in EC_CASES and launcher == "torchrun":
                     if rep == 0:
-                        print("  skip d-torchrun: torchrun has no erasure-coded in-memory snapshots (d is "
-                              "jitrun's --jit-ec-every)", flush=True)
+                        print(f"  skip {case}-torchrun: torchrun has no erasure-coded in-memory snapshots ({case} "
+                              "is jitrun's --jit-ec-every)", flush=True)
                     continue
                 r = run_one(case, launcher, args, work, work / ref_for(case) / "final.pt", rep)
                 runs.append(r)

@@ -80,16 +80,12 @@ def test_default_interval_recovers_a_whole_job_crash(tmp_path, reference):
     assert_same_state(reference(2, steps), job.out)
 
 
-# Fresh worker processes: with the warm start (the default since 9d513e8) multi-node jobs hang here before their
-# first step, with or without EC (every rank waits in the consistency check for the others' keys; probably the
-# forked workers keep the forkserver's token, not the one shared through the rendezvous) - not EC's to fix.
-WARM = ["--jit-warm-start", "off"]
 WHY = Cluster.unavailable()
 netns = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
 def _run_job(c: Cluster, fault_env: dict, nodes_to_lose: list[int], replace: bool = True) -> Job:
-    job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY), *WARM], timeout_s=5)
+    job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=5)
     job.start_all(env=fault_env)
     if nodes_to_lose:
         # minibatch 10 finished on every rank (rank 0 logs it after its optimizer step); the survivors die at
