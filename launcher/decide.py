@@ -182,6 +182,12 @@ def all_shards_finished(shard_of_rank: dict[str, str], finished: set, shards) ->
     return bool(shard_of_rank) and all(sh in have for sh in shards)
 
 
+# holders named per shard: a node that lacks the replica needs one that can send it, and
+# naming every holder made the record every agent reads grow with the job (pure data
+# parallelism: every node holds the one shard)
+MAX_SOURCES = 8
+
+
 def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str], nodes: list[dict],
             decided_by: str, max_step: int | None = None) -> Decision:
     """Newest step at which every shard has a replica on some node that posted."""
@@ -203,7 +209,7 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
         why = "no step has a complete replica of every shard on the nodes that answered"
     else:
         why = f"newest step with a replica of every shard ({len(inventories)} of {len(nodes) or '?'} nodes answered)"
-    sources = {sh: holders[(step, sh)] for sh in shards} if step is not None else {}
+    sources = {sh: holders[(step, sh)][:MAX_SOURCES] for sh in shards} if step is not None else {}
     complete = all_shards_finished(shard_of_rank, {r for i in inventories for r in i.get("finished", ())}, shards)
     if complete:
         why = "every shard has a replica that finished the job"

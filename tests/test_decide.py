@@ -44,6 +44,14 @@ def test_incomplete_newest_falls_back_and_lost_nodes_are_named():
     assert "1 of 3" in d.why
 
 
+def test_sources_are_a_few_holders_not_every_node():
+    nodes = [{"node_id": f"n{i:02d}", "host": "h", "addr": "a"} for i in range(20)]
+    invs = [{**n, "replicas": [{"step": 9, "shard": "0", "rank": i, "manifest_sha256": "m"}]}
+            for i, n in enumerate(nodes)]
+    d = decide.compute(1, invs, {str(i): "0" for i in range(20)}, nodes, decided_by="n00")
+    assert d.step == 9 and [s["node_id"] for s in d.sources["0"]] == [f"n{i:02d}" for i in range(decide.MAX_SOURCES)]
+
+
 def test_nothing_complete():
     d = decide.compute(0, [inv("a", (3, "0", 0))], {"0": "0", "1": "1"}, NODES[:1], decided_by="a")
     assert d.step is None and d.sources == {} and "no step" in d.why
