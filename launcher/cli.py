@@ -469,14 +469,20 @@ def _prepend_pythonpath(path: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
 
 
+def _warm_start(args, intercept: bool) -> bool:
+    """Workers are forks of the warm-start server: a Python script, not the GPU path
+    (CUDA and fork do not mix), not a migratable job (each worker its own namespace)."""
+    return (args.jit_warm_start == "on" and not intercept and not args.no_python and not args.run_path
+            and getattr(args, "jit_migratable", "off") != "on")
+
+
 def _warm_start_early(args, intercept: bool) -> None:
     """Start the warm-start server before this process imports torch: a node
     that joins a running job (a replacement) would otherwise import torch twice
     in a row, here and then in the server, before its first worker exists.
     Only where ``_entrypoint`` will use it, and only for a number of processes
     per node (``auto``/``gpu``/... need torch to resolve)."""
-    if (args.jit_warm_start != "on" or intercept or args.no_python or args.run_path
-            or getattr(args, "jit_migratable", "off") == "on"):
+    if not _warm_start(args, intercept):
         return
     try:
         nproc = int(args.nproc_per_node)
@@ -495,8 +501,7 @@ def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) 
     migratable = getattr(args, "jit_migratable", "off") == "on"
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
         _prepend_pythonpath(str(Path(__file__).resolve().parent.parent))
-        if args.jit_warm_start == "on" and not intercept and not migratable:
-            # CUDA and fork do not mix: the GPU path keeps fresh processes.
+        if _warm_start(args, intercept):
             from . import warm
 
             warm.start_server()

@@ -214,7 +214,8 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
     if complete:
         why = "every shard has a replica that finished the job"
     d = Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
-                 nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete)
+                 nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete,
+                 last_alive=min((i["last_alive"] for i in inventories if i.get("last_alive")), default=None))
     if not complete:
         choose_source(d, inventories)
     return d
@@ -396,9 +397,10 @@ class Coordinator:
         the decision in force."""
         key = self._k("round", d.round, "decision")
         rec = asdict(d)
-        raw = self.store.compare_set(key, "", self.auth.seal(key, rec))
+        sealed = self.auth.seal(key, rec)
+        raw = self.store.compare_set(key, "", sealed)
         won = self._decision(key, raw, f"restore decision of round {d.round}")
-        self.auth.put(self.store, rec if won == d else asdict(won), "decision")
+        self.auth.put(self.store, rec if raw == sealed else asdict(won), "decision")
         return won
 
     def decided(self, round_: int) -> Decision | None:

@@ -194,10 +194,8 @@ class Restorer:
             # reports (checkpoint_saved, the step in progress) are in the store
             # now, and the decision needs them
             poll()
-            d = decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
-                               decided_by=self._node.node_id)
-            d.last_alive = min((i["last_alive"] for i in invs if i.get("last_alive")), default=None)
-            return d
+            return decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
+                                  decided_by=self._node.node_id)
 
         won = coord.agree(round_, compute_here, final + 5.0, silent)
         poll()  # as above, for the record this node may write
