@@ -34,6 +34,7 @@ class WorkerConfig:
     store_addr: tuple[str, int] | None
     fault_spec: str
     attempt: int = 0  # job-wide (the rendezvous round under jitrun), same on every node
+    report_stream: str = ""  # its node's report stream, read by that node's agent
 
     @property
     def managed(self) -> bool:
@@ -57,4 +58,5 @@ def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
         restore_step=contract.restore_step(env),
         store_addr=addr,
         fault_spec=contract.FAULT.get(env),
+        report_stream=contract.REPORT_STREAM.get(env),
     )

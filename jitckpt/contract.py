@@ -80,6 +80,7 @@ TIMEOUT_FIXED = Var("JITCKPT_TIMEOUT_FIXED", _flag, False, "TIMEOUT is a fixed h
 TIMEOUT_FLOOR = Var("JITCKPT_TIMEOUT_FLOOR", float, FLOOR_S, "the learned hang bound is never below this")
 TIMEOUT_STARTUP = Var("JITCKPT_TIMEOUT_STARTUP", float, STARTUP_S, "the bound's least over the first minibatches")
 TIMEOUT_MULT = Var("JITCKPT_TIMEOUT_MULT", float, MULT, "the learned bound: this x the recent high quantile")
+REPORT_STREAM = Var("JITCKPT_REPORT_STREAM", str, "", "the report stream its reports go to (its node's; '': the job's)")
 ATTEMPT = Var("JITCKPT_ATTEMPT", int, 0, "job-wide attempt (rendezvous round, or the static group's restarts)")
 RESTORE_STEP = Var("JITCKPT_RESTORE_STEP", str, "", "the step the job restores: a number, 'none', or unset")
 RESTORE_SOURCE = Var("JITCKPT_RESTORE_SOURCE", str, "", "'ec': decode RESTORE_STEP from EC chunks first")

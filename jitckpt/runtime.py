@@ -163,7 +163,7 @@ class Runtime:
             return
         from .report import Reporter, connect
 
-        self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
+        self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank, self.cfg.report_stream)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
         if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
             from .collective_waits import Waits
@@ -264,7 +264,8 @@ class Runtime:
             if self.reporter is None:
                 from .report import connect
 
-                self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank)
+                self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank,
+                                         self.cfg.report_stream)
             with self._lock:
                 if self.deferred is None:
                     self.deferred = f"migration failed: {e}"
@@ -276,7 +277,7 @@ class Runtime:
         gen, req, store, watch = got
         self._migration = watch
         if store is not None:  # this rank moved: its new store client
-            self.reporter = Reporter(store, self.cfg.token, self.cfg.rank)
+            self.reporter = Reporter(store, self.cfg.token, self.cfg.rank, self.cfg.report_stream)
         digest = self.verifier.after_migration(gen) if self.verifier is not None else None
         self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
                     pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)

@@ -28,7 +28,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from jitckpt import auth, contract
-from jitckpt.report import Reporter, ReportReader, connect
+from jitckpt.report import JOB, Reporter, ReportReader, connect
 
 from . import migrate, rdzv, warm
 from .devices import describe, scheduler
@@ -61,7 +61,9 @@ class JitAgent(LocalElasticAgent):
         self._round = 0
         self._local_ranks: set[int] = set()
         # what jitrun sets for workers after the warm-start server started
-        self._env_keys: set[str] = {contract.RESTORE_STEP.name, "CUDA_VISIBLE_DEVICES", contract.ATTEMPT.name}
+        self._env_keys: set[str] = {contract.RESTORE_STEP.name, "CUDA_VISIBLE_DEVICES", contract.ATTEMPT.name,
+                                    contract.REPORT_STREAM.name}
+        contract.REPORT_STREAM.set(self._node.node_id)  # this node's workers report to this agent only
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
         self._failure: Failure | None = None
@@ -93,21 +95,22 @@ class JitAgent(LocalElasticAgent):
     def _poll(self, wg: WorkerGroup, absorb: bool = True, drain: bool = False) -> list[dict]:
         addr = (wg.master_addr, wg.master_port)
         if self._reader is None or addr != self._store_addr:
-            self._reader = ReportReader(connect(*addr), self._jit.token,
+            self._reader = ReportReader(connect(*addr), self._jit.token, streams=(self._node.node_id, JOB),
                                         from_now=self._reader is None and self._round > 0)
             self._store_addr = addr
-            self._wakeup.watch(addr, self._jit.token)
+            self._wakeup.watch(addr, self._jit.token, self._node.node_id)
         msgs = self._reader.poll(drain=drain)
         if absorb:
             for m in msgs:
                 self._book.absorb(m, self._failure, self._on_resumed)
+            self._restorer.share(self._book, self._round)
         return msgs
 
     def _worker_store(self, wg: WorkerGroup):
         """The workers' store, on the report reader's connection (main thread only)."""
         if self._reader is None:
             self._poll(wg, absorb=False)
-        return self._reader._store  # type: ignore[union-attr]
+        return self._reader.store  # type: ignore[union-attr]
 
     def _procs(self, wg: WorkerGroup) -> dict[int, Proc]:
         return self._where.procs(self._pcontext, wg)
@@ -204,11 +207,13 @@ class JitAgent(LocalElasticAgent):
                     and self._book.of_this_round(m)]
         hung = (None if any(c not in (None, 0) for c in codes.values())
                 else self._hang.tick(procs, pids, cpu, suspects))
-        failed = self._detector.check(msgs, codes, procs, coord is not None and coord.failed(self._round), hung)
+        failed = self._detector.check(msgs, codes, procs, coord is not None and coord.failed(self._round), hung,
+                                      peers_finished=lambda: coord is not None and coord.some_finished(self._round))
         if failed:
             self._failure = failed
         for m in msgs:
             self._book.absorb(m, self._failure, self._on_resumed)
+        self._restorer.share(self._book, self._round)
         if failed:
             return self._handle_failure(worker_group)
         if self._book.migrating:
@@ -243,7 +248,7 @@ class JitAgent(LocalElasticAgent):
         if coord is not None:
             coord.handling(self._round)
         procs = self._procs(wg)
-        Episode(f, procs, exited=self._exited, shards=self._book.shards, timeout_s=self._jit.timeout_s,
+        Episode(f, procs, exited=self._exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
                 events=self._events).run()
         if f.diverged:

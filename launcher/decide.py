@@ -71,9 +71,12 @@ class Decision:
     source: str = "replica"
     ec_step: int | None = None
     ec: dict | None = None  # the chosen EC version (k, m, ...) and why newer sources were not used
-    # the earliest last sign of life of a failed process any node posted (the failure's time
-    # when no injector stamped it), for every node's recovery record
+    # for every node's recovery record (each agent reads only its own ranks' reports): the
+    # earliest last sign of life of a failed process any node posted (the failure's time when
+    # no injector stamped it), the earliest injector's stamp, the furthest step a rank reached
     last_alive: float | None = None
+    fault_t: float | None = None
+    progress: int = -1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -138,7 +141,7 @@ DECISION = auth.Schema(
     {"round": int, "step": _OPT_INT, "shards": list, "sources": dict, "shard_of_rank": dict, "nodes": list,
      "lost": list, "why": _S, "decided_by": _S, "t": (int, float), "complete": bool, "source": _S,
      "ec_step": _OPT_INT, "ec": (dict, type(None))},
-    {"last_alive": (int, float, type(None))},
+    {"last_alive": (int, float, type(None)), "fault_t": (int, float, type(None)), "progress": int},
     nested=_decision_parts)
 
 
@@ -157,8 +160,17 @@ def _inventory_parts(inv: dict) -> str | None:
 
 
 INVENTORY = auth.Schema({"node_id": _S, "host": _S, "addr": _S, "replicas": list},
-                        {"finished": list, "ec": dict, "last_alive": (int, float, type(None))},
+                        {"finished": list, "ec": dict, "last_alive": (int, float, type(None)),
+                         "fault_t": (int, float, type(None)), "progress": int},
                         nested=_inventory_parts)
+
+
+def _shard_map_parts(m: dict) -> str | None:
+    ok = all(isinstance(r, str) and r.isdigit() and _good_shard(s) for r, s in m["shards"].items())
+    return None if ok else "a rank or shard name"
+
+
+SHARD_MAP = auth.Schema({"node_id": _S, "shards": dict}, nested=_shard_map_parts)
 
 
 def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = frozenset()) -> dict:
@@ -215,7 +227,9 @@ def compute(round_: int, inventories: list[dict], shard_of_rank: dict[str, str],
         why = "every shard has a replica that finished the job"
     d = Decision(round=round_, step=step, shards=shards, sources=sources, shard_of_rank=shard_of_rank,
                  nodes=nodes, lost=lost, why=why, decided_by=decided_by, complete=complete,
-                 last_alive=min((i["last_alive"] for i in inventories if i.get("last_alive")), default=None))
+                 last_alive=min((i["last_alive"] for i in inventories if i.get("last_alive")), default=None),
+                 fault_t=min((i["fault_t"] for i in inventories if i.get("fault_t")), default=None),
+                 progress=max((i.get("progress", -1) for i in inventories), default=-1))
     if not complete:
         choose_source(d, inventories)
     return d
@@ -298,6 +312,31 @@ class Coordinator:
         also tells every other agent that round ``round_`` failed."""
         self.auth.put(self.store, self.node.node_id, "round", round_, "handling", self.node.node_id)
         self.auth.put(self.store, self.node.node_id, "round", round_, "failed")
+
+    def post_shards(self, shard_of_rank: dict[int, str]) -> None:
+        """The shards this node's ranks registered (their reports reach only this
+        node's agent); the deciding agent reads every node's, also a lost one's."""
+        record = {"node_id": self.node.node_id, "shards": {str(r): s for r, s in shard_of_rank.items()}}
+        self.auth.put(self.store, record, "shards", self.node.node_id)
+
+    def shard_map(self, nodes: list[dict]) -> dict[str, str]:
+        """Every rank's shard as the agents of ``nodes`` posted them (one round trip)."""
+        ids = [n["node_id"] for n in nodes]
+        got = self._read_all({self._k("shards", n): f"shard map of {n}" for n in ids}, SHARD_MAP)
+        out: dict[str, str] = {}
+        for n, m in zip(ids, got, strict=True):
+            if m is not None and m["node_id"] == n:
+                out.update(m["shards"])
+        return out
+
+    def finishing(self, round_: int) -> None:
+        """A rank of this node finished the job in ``round_``."""
+        self.auth.put(self.store, self.node.node_id, "round", round_, "finishing")
+
+    def some_finished(self, round_: int) -> bool:
+        """Has a rank of any node finished the job in ``round_``? (A rank stopped in its
+        last minibatch elsewhere has no collective left to time out.)"""
+        return isinstance(self._get(f"round {round_} finish mark", "round", round_, "finishing"), str)
 
     def failed(self, round_: int) -> bool:
         """Has any agent started handling a failure of ``round_``? (Its workers

@@ -30,7 +30,7 @@ import threading
 from datetime import timedelta
 
 from jitckpt import auth
-from jitckpt.report import WAKE
+from jitckpt.report import JOB, WAKE, Stream
 
 # a slot not set after this long is skipped when later ones exist (its writer
 # died between its two calls); anything else wakes the waiter at once
@@ -47,33 +47,34 @@ class Wakeup:
         self._stop = threading.Event()
         self._watching: tuple[str, int] | None = None
         self._token: str | None = None
+        self._stream = JOB
         self._next = 0  # the slot the waiter waits on (written by the waiter only)
         self._old: list[threading.Thread] = []  # waiters of earlier store addresses
 
     # -- reports ------------------------------------------------------------
 
-    def watch(self, store_addr: tuple[str, int], token: str) -> None:
-        """Wake on every report written to the workers' store at
+    def watch(self, store_addr: tuple[str, int], token: str, stream: str = JOB) -> None:
+        """Wake on every report written to ``stream`` (this node's) of the workers' store at
         ``store_addr`` from now on (a new address replaces the old watch; the
         old waiter ends at its next wake-up or when its store goes away)."""
         if store_addr == self._watching:
             return
         self._stop.set()
         self._old = [t for t in [*self._old, self._thread] if t is not None and t.is_alive()]
-        self._watching, self._token = store_addr, token
+        self._watching, self._token, self._stream = store_addr, token, stream
         self._next = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(store_addr, token, self._stop),
+        self._thread = threading.Thread(target=self._run, args=(store_addr, token, stream, self._stop),
                                         name="jitrun-report-waiter", daemon=True)
         self._thread.start()
 
-    def _run(self, addr: tuple[str, int], token: str, stop: threading.Event) -> None:
+    def _run(self, addr: tuple[str, int], token: str, stream: str, stop: threading.Event) -> None:
         from jitckpt.report import connect
 
-        a = auth.of(token)
+        s = Stream(auth.of(token), stream)
         try:
             store = connect(*addr)
-            nxt = store.add(a.key("n"), 0) + 1
+            nxt = store.add(s.counter, 0) + 1
         except Exception:
             return  # the store is gone (job ending); the timeout path still works
         while not stop.is_set():
@@ -81,7 +82,7 @@ class Wakeup:
                 self._next = nxt
             try:
                 # the slot is set once its writer finished the report
-                store.wait([a.key("r", nxt)], timedelta(seconds=WAIT_S))
+                store.wait([s.slot(nxt)], timedelta(seconds=WAIT_S))
             except Exception:
                 if stop.is_set():
                     return
@@ -89,7 +90,7 @@ class Wakeup:
                     # a slot whose writer died between add and set stays
                     # empty; go past it when later slots exist (the reader
                     # skips it too)
-                    if store.add(a.key("n"), 0) > nxt:
+                    if store.add(s.counter, 0) > nxt:
                         nxt += 1
                 except Exception:
                     return  # the store is gone
@@ -146,7 +147,7 @@ class Wakeup:
                 from jitckpt.report import connect
 
                 a = auth.of(self._token)
-                key = a.key("r", self._next)
+                key = Stream(a, self._stream).slot(self._next)
                 wake = a.seal(key, {"event": WAKE, "t": 0.0, "rank": None})
                 connect(*self._watching, timeout_s=2.0).compare_set(key, "", wake)
             except Exception:

@@ -8,9 +8,10 @@ coordination code against real torch TCPStores, all under one job token:
   ``C10dRendezvousBackend``, patched by ``launcher.rdzv.install`` as jitrun's
   agent patches it; a hot spare waits (reported through ``num_nodes_waiting``)
   and is admitted in the round after the failure;
-* report intake: every simulated rank writes its failure reports with
-  ``jitckpt.report.Reporter``; every node reads them with ``ReportReader`` into
-  ``launcher.recovery.reports.ReportBook``;
+* report intake: every simulated rank writes its reports with
+  ``jitckpt.report.Reporter`` into its node's stream; each node reads its own with
+  ``ReportReader`` into ``launcher.recovery.reports.ReportBook`` and posts its
+  ranks' shard map (``Coordinator.post_shards``) for the deciding agent;
 * the job-wide restore decision: ``launcher.decide.Coordinator`` (handling
   marks, inventories, ``agree``: the first agent to claim the round reads the
   inventories (``wait_inventories``), computes and publishes, the others wait
@@ -63,7 +64,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 )
 
 from jitckpt import auth  # noqa: E402
-from jitckpt.report import Reporter, ReportReader  # noqa: E402
+from jitckpt.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
 from launcher import decide, rdzv  # noqa: E402
 from launcher.recovery.episode import Failure  # noqa: E402
 from launcher.recovery.reports import ReportBook  # noqa: E402
@@ -253,17 +254,20 @@ class SimNode:
         info = self.handler.next_rendezvous()
         self.round, self.grank = rdzv.current_round(self.handler) or 0, info.rank
         self.coord.announce(self.round, self.grank)
-        self.reader = ReportReader(self.rconn, self.job.token, from_now=self.spare)
-        reps = [Reporter(self.wconn, self.job.token, r) for r in self.my_ranks()]
+        me = self.node.node_id
+        self.reader = ReportReader(self.rconn, self.job.token, from_now=self.spare, streams=(me, JOB))
+        self.book.new_round(self.round, set(self.my_ranks()))
+        reps = [Reporter(self.wconn, self.job.token, r, me) for r in self.my_ranks()]
         for rep, r in zip(reps, self.my_ranks(), strict=True):
             rep.send("registered", shard=str(r % self.job.ranks), attempt=self.round)
         if self.spare:  # admitted after the failure: read the decision in force, as ``Restorer.prepare``
             assert self.coord.latest() is not None, "the spare found no restore decision"
             self.job.mark("restarted", self.node.node_id, self.job.n)
             return
-        while len(self.book.shards) < self.job.n * self.job.ranks:
+        while len(self.book.local_shards()) < self.job.ranks:
             self._absorb(None)
             time.sleep(0.01)
+        self.coord.post_shards(self.book.shards)  # as the agent's ``Restorer.share``
         self.job.arrive(self.node.node_id)
 
     def _absorb(self, f: Failure | None) -> None:
@@ -276,7 +280,8 @@ class SimNode:
         (``launcher.wakeup``) does, or a short timeout."""
         assert self.reader is not None
         try:
-            self.rconn.wait([auth.of(self.job.token).key("r", self.reader._next)], timedelta(seconds=0.05))
+            nxt = self.reader._cursors[0]._next  # this node's stream
+            self.rconn.wait([Stream(auth.of(self.job.token), self.node.node_id).slot(nxt)], timedelta(seconds=0.05))
         except Exception:  # DistStoreError on timeout
             pass
 
@@ -294,7 +299,7 @@ class SimNode:
         cpu0 = time.thread_time()  # this agent's own CPU: what it would spend on a node of its own
         f = Failure(time.time())
         for r in self.my_ranks():
-            rep = Reporter(self.wconn, job.token, r)
+            rep = Reporter(self.wconn, job.token, r, self.node.node_id)
             rep.send("failure_detected", step=STEP, reason="a collective with a lost node failed", attempt=self.round)
             rep.send("save_started", step=STEP, attempt=self.round)
             rep.send("checkpoint_saved", step=STEP, shard=str(r % job.ranks), attempt=self.round)
@@ -314,8 +319,10 @@ class SimNode:
                 grace = f.handling_since + job.args.grace
                 invs = coord.wait_inventories(self.round, nodes, grace, grace + 5.0)
             self._absorb(f)
-            return decide.compute(self.round, invs, {str(k): v for k, v in self.book.shards.items()}, nodes,
-                                  decided_by=self.node.node_id)
+            shard_of_rank = {**coord.shard_map(nodes), **{str(k): v for k, v in self.book.shards.items()}}
+            if len(shard_of_rank) != job.n * job.ranks:
+                raise AssertionError(f"the decider knows {len(shard_of_rank)} ranks' shards of {job.n * job.ranks}")
+            return decide.compute(self.round, invs, shard_of_rank, nodes, decided_by=self.node.node_id)
 
         won = coord.agree(self.round, compute_here, until)
         if won.step != STEP or [n["node_id"] for n in won.lost] != [job.victim]:
@@ -376,6 +383,8 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
             "keepalive_expiry_s": args.keepalive * args.keepalive_n,
             "to_decision": _delta(before, job.snap["decided"]), "to_restart": _delta(before, job.snap["restarted"]),
             "healthy_per_s": {k: {m: round(v / healthy_s) for m, v in healthy[k].items()} for k in BUCKETS},
+            # the simulation's own CPU while healthy (keep-alives, polls): what the failure's work queues behind
+            "healthy_cpu_per_s": round(healthy["cpu_s"] / healthy_s, 3),
             "agent_cpu_to_decision_s": {"median": round(sorted(job.cpu["decided"])[len(job.cpu["decided"]) // 2], 4),
                                         "max": round(max(job.cpu["decided"]), 4)},
             "load_avg": os.getloadavg()[0]}

@@ -128,6 +128,37 @@ def test_a_forged_claim_makes_every_agent_decide(capsys):
     assert "decider claim" in capsys.readouterr().err
 
 
+def test_the_decider_knows_every_nodes_shards_also_a_lost_ones(capsys):
+    """Each agent reads only its own ranks' reports: the shard map each posts is how the
+    deciding agent knows that a shard only a lost node's ranks held is needed."""
+    store = dist.HashStore()
+    a, b, c = _coords(store)
+    a.post_shards({0: "0", 1: "1"})
+    b.post_shards({2: "0", 3: "1"})
+    c.post_shards({4: "2"})  # c is lost later: no inventory, but its shard counts
+    got = a.shard_map(NODES)
+    assert got == {"0": "0", "1": "1", "2": "0", "3": "1", "4": "2"}
+    d = decide.compute(3, [inv("a", (9, "0", 0), (9, "1", 1)), inv("b", (9, "0", 2), (9, "1", 3))], got, NODES, "a")
+    assert d.step is None and d.shards == ["0", "1", "2"], "shard 2 has no replica: step 9 is not complete"
+    # a record that does not verify, or one posted under another node's name, counts for nothing
+    store.set(a.auth.key("shards", "b"), b'{"v": {"node_id": "b", "shards": {"2": "7"}}, "mac": "00"}')
+    a.auth.put(store, {"node_id": "a", "shards": {"4": "9"}}, "shards", "c")
+    assert a.shard_map(NODES) == {"0": "0", "1": "1"}
+    assert "shard map of b" in capsys.readouterr().err
+
+
+
+def test_the_decision_carries_what_only_other_nodes_ranks_reported():
+    """The deciding agent's recovery record needs the failure's step and time, which
+    the failed node's ranks reported to their own agent only: they travel in the inventories."""
+    a = {**inv("a", (9, "0", 0)), "progress": 9, "fault_t": None, "last_alive": 5.0}
+    b = {**inv("b", (9, "0", 1)), "progress": 10, "fault_t": 4.5, "last_alive": 4.0}
+    d = decide.compute(3, [a, b], {"0": "0", "1": "0"}, NODES[:2], "a")
+    assert (d.progress, d.fault_t, d.last_alive) == (10, 4.5, 4.0)
+    assert decide.Decision.from_json(d.to_json()) == d
+    assert decide.compute(3, [inv("a", (9, "0", 0))], {"0": "0"}, NODES[:1], "a").progress == -1
+
+
 def test_wait_inventories_takes_busy_nodes_until_final_and_drops_silent_ones():
     store = dist.HashStore()
     me = decide.Coordinator(store, "t", decide.NodeInfo("a", "a", "a"))

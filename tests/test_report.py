@@ -90,3 +90,21 @@ def test_slot_of_a_dead_writer_is_skipped_after_grace(server, client, monkeypatc
     assert reader.poll() == []
     time.sleep(0.3)
     assert [m["event"] for m in reader.poll()] == ["after"]
+
+
+def test_each_node_reads_only_its_own_stream_and_the_jobs(server, client):
+    tok = "tok-streams"
+    Reporter(client, tok, rank=0, stream="10.0.0.1-11").send("started")
+    Reporter(client, tok, rank=1, stream="10.0.0.2-22").send("started")
+    Reporter(client, tok, rank=None).send("hang_suspect", node="10.0.0.2-22")  # an agent's message: the job stream
+    a = ReportReader(server, tok, streams=("10.0.0.1-11", report.JOB))
+    b = ReportReader(server, tok, streams=("10.0.0.2-22", report.JOB))
+    assert [(m["event"], m["rank"]) for m in a.poll()] == [("started", 0), ("hang_suspect", None)]
+    assert [(m["event"], m["rank"]) for m in b.poll()] == [("started", 1), ("hang_suspect", None)]
+    assert ReportReader(server, tok).poll() == [{"event": "hang_suspect", "rank": None, "node": "10.0.0.2-22",
+                                                 "t": pytest.approx(time.time(), abs=60)}]
+    # a slot of one stream is not a slot of another: the same sequence number, different keys
+    s1, s2 = report.Stream(auth.of(tok), "x"), report.Stream(auth.of(tok), "y")
+    assert s1.slot(1) != s2.slot(1) and s1.counter != s2.counter != report.Stream(auth.of(tok)).counter
+    with pytest.raises(ValueError, match="no '/'"):
+        Reporter(client, tok, rank=0, stream="a/1")

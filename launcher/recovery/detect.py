@@ -6,6 +6,7 @@ is left to time out). Agent's main thread."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ..workers import Proc, is_stopped
 from .episode import Failure
@@ -22,10 +23,13 @@ class Detector:
         self._fault_step = -1  # the step an injected fault announced, read before the failure was seen
 
     def check(self, msgs: list[dict], codes: dict[int, int | None], procs: dict[int, Proc],
-              other_node_failed: bool, hung: dict[int, str] | None = None) -> Failure | None:
-        """A new episode, or None. ``msgs``: the reports read this tick;
+              other_node_failed: bool, hung: dict[int, str] | None = None,
+              peers_finished: Callable[[], bool] = lambda: False) -> Failure | None:
+        """A new episode, or None. ``msgs``: this node's reports read this tick;
         ``codes``: this node's workers' exit codes (None: running); ``hung``:
-        a hang the hang watch confirmed (rank -> why; empty: a lost collective)."""
+        a hang the hang watch confirmed (rank -> why; empty: a lost collective);
+        ``peers_finished()``: has a rank of another node finished the job (asked
+        only when a rank here is stopped)."""
         failed = any(c not in (None, 0) for c in codes.values()) or hung is not None
         now = [m for m in msgs if self._book.of_this_round(m)]
         for m in now:
@@ -34,11 +38,12 @@ class Detector:
                 self._fault_step = max(self._fault_step, int(m.get("step", -1)))
         reported = any(m["event"] == "failure_detected" for m in now) or (not failed and other_node_failed)
         self._book.finished |= {m["rank"] for m in msgs if m["event"] == "finished"}
-        if not failed and not reported and self._book.finished:
+        if not failed and not reported:
             # a rank stopped in its last minibatch would be waited on forever
-            for r, c in codes.items():
-                if c is None and is_stopped(procs[r].pid):
-                    failed = True
+            stopped = [r for r, c in codes.items() if c is None and procs[r].pid and is_stopped(procs[r].pid)]
+            if stopped and (self._book.finished or peers_finished()):
+                failed = True
+                for r in stopped:
                     self._events.emit("failure_detected", rank=r, reason="stopped after peers finished")
         if not (failed or reported):
             return None

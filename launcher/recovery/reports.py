@@ -1,10 +1,13 @@
-"""What the workers' reports tell the agent (jitckpt/report.py writes them):
-which shard each rank saves, which finished the job, what each loaded and
-when each reached its start-up milestones this round, and, during a failure
-episode, who detected it, who is saving and what was saved.
+"""What this node's workers' reports tell its agent (jitckpt/report.py writes
+them): which shard each rank saves, which finished the job, what each loaded
+and when each reached its start-up milestones this round, and, during a
+failure episode, who detected it, who is saving and what was saved.
 
-Every node reads every rank's reports (the job's decisions need them) but
-writes only its own ranks' to its timeline. Agent's main thread only.
+An agent reads only its own node's ranks' reports (and the agents' messages
+on the job stream): what the job needs from every node reaches the deciding
+agent through the coordination store (each node's shard map, inventory and
+marks, ``launcher.decide``), so no agent reads every rank's reports.
+Agent's main thread only.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class ReportBook:
         self.round = 0
         self.local_ranks: set[int] = set()
         self.shards: dict[int, str] = {}  # global rank -> shard, from "registered"
+        self.shards_changed = False  # since the agent last posted them for the job
         self.finished: set[int] = set()  # ranks of the job that finished their script
         # rank -> (CPU seconds, when they last changed): a failed process's last
         # sign of life, the failure time when no injector stamped it
@@ -53,8 +57,12 @@ class ReportBook:
             if secs is not None and (r not in self.life or self.life[r][0] != secs):
                 self.life[r] = (secs, now)
 
+    def local_shards(self) -> dict[int, str]:
+        """This round's ranks' shards: what this node's failure episode can save."""
+        return {r: s for r, s in self.shards.items() if r in self.local_ranks}
+
     def done_ranks(self, exited: dict[int, int]) -> set[int]:
-        """Ranks that finished the job: reported by any node, or exited 0 here."""
+        """This node's ranks that finished the job: reported, or exited 0."""
         return self.finished | {k for k, c in exited.items() if c == 0}
 
     def absorb(self, m: dict, failure: Failure | None, on_resumed: Callable[[dict], None]) -> None:
@@ -63,7 +71,9 @@ class ReportBook:
         if ev in ("loaded", "started") and not current:
             return  # this round's facts only
         if ev == "registered":
-            self.shards[rank] = m["shard"]
+            if self.shards.get(rank) != m["shard"]:
+                self.shards[rank] = m["shard"]
+                self.shards_changed = True
             return
         if ev == "finished":
             self.finished.add(rank)
@@ -120,7 +130,7 @@ class ReportBook:
         elif ev == "checkpoint_saved":
             f.saving.discard(rank)
             f.saved[rank] = m
-            shards = set(self.shards.values()) or {"0"}
+            shards = set(self.local_shards().values()) or {"0"}
             if f.ckpt_done_t is None and shards <= {s["shard"] for s in f.saved.values()}:
                 f.ckpt_done_t = m["t"]
         elif ev in ("checkpoint_failed", "checkpoint_skipped"):

@@ -48,6 +48,7 @@ class Restorer:
         self.decision: decide.Decision | None = None
         self.silence: alive.Silence | None = None  # which agents stopped beating (main thread)
         self._pulse: alive.Pulse | None = None
+        self._finish_marked = -1  # the round whose finish mark this node set
 
     def join_round(self, store, round_: int, group_rank: int, rdzv_node: str | None = None) -> None:
         """Say which node holds ``group_rank`` this round (``store``: the
@@ -64,6 +65,19 @@ class Restorer:
                 self._pulse = alive.Pulse(store, self._jit.token, self._node.node_id, rdzv_node)
                 self.silence = alive.Silence(self.coord.store, self._jit.token)
         self.coord.announce(round_, group_rank)
+
+    def share(self, book, round_: int) -> None:
+        """What the job needs from this node's reports, which only this agent reads:
+        its ranks' shards (for the deciding agent, even after this node is lost)
+        and that one of them finished the job this round."""
+        if self.coord is None:
+            return
+        if book.shards_changed:
+            book.shards_changed = False
+            self.coord.post_shards(book.shards)
+        if self._finish_marked != round_ and book.finished & book.local_ranks:
+            self._finish_marked = round_
+            self.coord.finishing(round_)
 
     def silent_peers(self, round_: int, group_world_size: int) -> list[str]:
         """The other nodes of ``round_`` whose agents stopped beating (a store
@@ -179,7 +193,7 @@ class Restorer:
         coord = self.coord
         assert coord is not None
         inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks)
-        inv["last_alive"] = last_alive
+        inv.update(last_alive=last_alive, fault_t=f.fault_t, progress=f.progress)
         coord.post(round_, inv)
         # every live agent joins within a monitor tick of the first one (the
         # round's "failed" key); one that has not started by then is gone
@@ -190,15 +204,17 @@ class Restorer:
         def compute_here() -> decide.Decision:
             nodes = coord.nodes(round_, group_world_size)
             invs = coord.wait_inventories(round_, nodes, grace, final, silent=silent)
-            # the other nodes posted after their savers exited: their ranks'
-            # reports (checkpoint_saved, the step in progress) are in the store
-            # now, and the decision needs them
-            poll()
-            return decide.compute(round_, invs, {str(k): v for k, v in shards.items()}, nodes,
-                                  decided_by=self._node.node_id)
+            poll()  # this node's last reports, and its shard map posted
+            # every node's ranks' shards, a lost node's too: a shard only it held is still needed
+            shard_of_rank = {**coord.shard_map(nodes), **{str(k): v for k, v in shards.items()}}
+            return decide.compute(round_, invs, shard_of_rank, nodes, decided_by=self._node.node_id)
 
         won = coord.agree(round_, compute_here, final + 5.0, silent)
         poll()  # as above, for the record this node may write
+        # what the other nodes' ranks reported, which only their agents read
+        f.progress = max(f.progress, won.progress)
+        if won.fault_t is not None:
+            f.fault_t = min(won.fault_t, f.fault_t or won.fault_t)
         if f.fault_t is None and won.last_alive:
             f.fault_t = min(won.last_alive, f.detected_t)
         self.decision = won
