@@ -100,6 +100,12 @@ class Reporter:
         self._auth.put(self._store, msg, *self._stream.parts(seq))
 
 
+def for_worker(cfg, store=None) -> Reporter:
+    """A worker's reporter into its node's stream (``cfg``: its ``config.WorkerConfig``;
+    ``store``: a client of the workers' store, else a new connection)."""
+    return Reporter(connect(*cfg.store_addr) if store is None else store, cfg.token, cfg.rank, cfg.report_stream)
+
+
 SLOT_GRACE_S = 2.0
 BATCH = 256  # report slots read in one multi_get
 WAKE = "_wake"  # a launcher-internal record (see jitrun.wakeup); readers skip it

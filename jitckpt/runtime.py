@@ -161,9 +161,9 @@ class Runtime:
     def connect(self) -> None:
         if not self.cfg.managed or self.cfg.store_addr is None:
             return
-        from .report import Reporter, connect
+        from .report import for_worker
 
-        self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank, self.cfg.report_stream)
+        self.reporter = for_worker(self.cfg)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
         if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
             from .collective_waits import Waits
@@ -247,7 +247,7 @@ class Runtime:
         and every rank rebuild. A migration that fails turns into a JIT save here (the
         caller's deferred-save check runs next), so the restart loses nothing."""
         from . import migrate_worker as mw
-        from .report import Reporter
+        from .report import for_worker
 
         def before_close(gen: int, req: dict) -> None:
             self.report("migrating", gen=gen, step=self.steps_done, to=req.get("to"), pid=os.getpid(),
@@ -262,10 +262,7 @@ class Runtime:
                                         stop=lambda: self.deferred)
         except mw.MigrationFailed as e:
             if self.reporter is None:
-                from .report import connect
-
-                self.reporter = Reporter(connect(*self.cfg.store_addr), self.cfg.token, self.cfg.rank,
-                                         self.cfg.report_stream)
+                self.reporter = for_worker(self.cfg)
             with self._lock:
                 if self.deferred is None:
                     self.deferred = f"migration failed: {e}"
@@ -277,7 +274,7 @@ class Runtime:
         gen, req, store, watch = got
         self._migration = watch
         if store is not None:  # this rank moved: its new store client
-            self.reporter = Reporter(store, self.cfg.token, self.cfg.rank, self.cfg.report_stream)
+            self.reporter = for_worker(self.cfg, store)
         digest = self.verifier.after_migration(gen) if self.verifier is not None else None
         self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
                     pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)
