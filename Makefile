@@ -52,14 +52,13 @@ lint: setup
 	$(PY) scripts/check_structure.py
 
 # Two tests at a time: most of the suite waits on process start-up, timeouts and
-# sleeps, not on the 2 cores; an idle worker takes queued tests from the busy one
-# (worksteal: no tail of one worker's queue); the 15 slowest are listed at the end.
+# sleeps, not on the 2 cores; the suite's 15 slowest tests are listed at the end.
 # Paths in PYTEST_ARGS narrow the run (without any, pyproject's testpaths: tests/).
 TEST_WORKERS ?= 2
 test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) scripts/check_structure.py
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
