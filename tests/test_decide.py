@@ -4,6 +4,7 @@ through a real TCPStore (jitrun.transfer) and derived network settings."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from argparse import Namespace
@@ -345,3 +346,47 @@ def test_rdzv_reads_the_state_for_spares_at_a_bounded_rate(monkeypatch):
     assert h.num_nodes_waiting() == 1 and len(looks) == 3
     assert rdzv.poll_period(2) == rdzv.poll_period(rdzv.POLL_NODES) == rdzv.POLL_S
     assert rdzv.poll_period(16 * rdzv.POLL_NODES) == pytest.approx(16 * rdzv.POLL_S)
+
+
+def test_a_rank_stopped_here_after_another_nodes_ranks_finished_is_a_failure():
+    """Each agent reads only its own node's reports: that ranks elsewhere finished the
+    job this round reaches it as the round's finish mark, set by their agent."""
+    import signal
+    import subprocess
+
+    from jitrun.recovery.detect import Detector
+    from jitrun.recovery.reports import ReportBook
+    from jitrun.recovery.restore import Restorer
+    from jitrun.workers import Proc
+
+    class Events:
+        def __init__(self) -> None:
+            self.seen: list[tuple] = []
+
+        def emit(self, ev, **f) -> None:
+            self.seen.append((ev, f))
+
+    store = dist.HashStore()
+    a, b = _coords(store, names=("a", "b"))
+    book_b = ReportBook(Events())
+    book_b.new_round(4, {2, 3})
+    book_b.absorb({"event": "finished", "t": 1.0, "rank": 2, "attempt": 4}, None, lambda m: None)
+    restorer_b = Restorer(Namespace(), a.node, Events(), set())
+    restorer_b.coord = b
+    assert not a.some_finished(4)
+    restorer_b.share(book_b, 4)
+    assert a.some_finished(4) and not a.some_finished(5), "the mark is per round"
+
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        procs = {0: Proc(p.pid, p.poll, p.wait)}
+        ev = Events()
+        det = Detector(ReportBook(ev), ev)
+        assert det.check([], {0: None}, procs, False, peers_finished=lambda: False) is None
+        f = det.check([], {0: None}, procs, False, peers_finished=lambda: a.some_finished(4))
+        assert f is not None and ("failure_detected", {"rank": 0, "reason": "stopped after peers finished"}) in ev.seen
+    finally:
+        p.kill()
+        p.wait()

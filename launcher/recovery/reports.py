@@ -25,7 +25,8 @@ class ReportBook:
         self.local_ranks: set[int] = set()
         self.shards: dict[int, str] = {}  # global rank -> shard, from "registered"
         self.shards_changed = False  # since the agent last posted them for the job
-        self.finished: set[int] = set()  # ranks of the job that finished their script
+        self.finished: set[int] = set()  # this node's ranks that finished their script
+        self.finished_now: set[int] = set()  # those that finished it this round
         # rank -> (CPU seconds, when they last changed): a failed process's last
         # sign of life, the failure time when no injector stamped it
         self.life: dict[int, tuple[float, float]] = {}
@@ -41,7 +42,7 @@ class ReportBook:
     def new_round(self, round_: int, local_ranks: set[int]) -> None:
         self.round = round_
         self.local_ranks = set(local_ranks)
-        for d in (self.loaded, self.fingerprint, self.life, self.boot, self.query, self.train):
+        for d in (self.loaded, self.fingerprint, self.life, self.boot, self.query, self.train, self.finished_now):
             d.clear()
 
     def of_this_round(self, m: dict) -> bool:
@@ -77,6 +78,8 @@ class ReportBook:
             return
         if ev == "finished":
             self.finished.add(rank)
+            if current:
+                self.finished_now.add(rank)
             if m.get("loaded") is not None and self.loaded.get(rank) is None and current:
                 self.loaded[rank] = m["loaded"]
             if m.get("fingerprint") is not None and current:

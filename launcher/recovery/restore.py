@@ -75,7 +75,7 @@ class Restorer:
         if book.shards_changed:
             book.shards_changed = False
             self.coord.post_shards(book.shards)
-        if self._finish_marked != round_ and book.finished & book.local_ranks:
+        if self._finish_marked != round_ and book.finished_now:
             self._finish_marked = round_
             self.coord.finishing(round_)
 
