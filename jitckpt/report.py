@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import auth
+
+if TYPE_CHECKING:
+    from .config import WorkerConfig
 
 _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
@@ -100,7 +103,7 @@ class Reporter:
         self._auth.put(self._store, msg, *self._stream.parts(seq))
 
 
-def for_worker(cfg, store=None) -> Reporter:
+def for_worker(cfg: WorkerConfig, store=None) -> Reporter:
     """A worker's reporter into its node's stream (``cfg``: its ``config.WorkerConfig``;
     ``store``: a client of the workers' store, else a new connection)."""
     return Reporter(connect(*cfg.store_addr) if store is None else store, cfg.token, cfg.rank, cfg.report_stream)

@@ -319,15 +319,16 @@ class Coordinator:
         record = {"node_id": self.node.node_id, "shards": {str(r): s for r, s in shard_of_rank.items()}}
         self.auth.put(self.store, record, "shards", self.node.node_id)
 
-    def shard_map(self, nodes: list[dict]) -> dict[str, str]:
-        """Every rank's shard as the agents of ``nodes`` posted them (one round trip)."""
+    def shard_map(self, nodes: list[dict], own: dict[int, str]) -> dict[str, str]:
+        """Every rank's shard as the agents of ``nodes`` posted them (one round trip),
+        this node's ``own`` (its book, possibly newer than its post) over its post."""
         ids = [n["node_id"] for n in nodes]
         got = self._read_all({self._k("shards", n): f"shard map of {n}" for n in ids}, SHARD_MAP)
         out: dict[str, str] = {}
         for n, m in zip(ids, got, strict=True):
             if m is not None and m["node_id"] == n:
                 out.update(m["shards"])
-        return out
+        return {**out, **{str(r): s for r, s in own.items()}}
 
     def finishing(self, round_: int) -> None:
         """A rank of this node finished the job in ``round_``."""

@@ -319,7 +319,7 @@ class SimNode:
                 grace = f.handling_since + job.args.grace
                 invs = coord.wait_inventories(self.round, nodes, grace, grace + 5.0)
             self._absorb(f)
-            shard_of_rank = {**coord.shard_map(nodes), **{str(k): v for k, v in self.book.shards.items()}}
+            shard_of_rank = coord.shard_map(nodes, self.book.shards)
             if len(shard_of_rank) != job.n * job.ranks:
                 raise AssertionError(f"the decider knows {len(shard_of_rank)} ranks' shards of {job.n * job.ranks}")
             return decide.compute(self.round, invs, shard_of_rank, nodes, decided_by=self.node.node_id)

@@ -137,14 +137,14 @@ def test_the_decider_knows_every_nodes_shards_also_a_lost_ones(capsys):
     a.post_shards({0: "0", 1: "1"})
     b.post_shards({2: "0", 3: "1"})
     c.post_shards({4: "2"})  # c is lost later: no inventory, but its shard counts
-    got = a.shard_map(NODES)
+    got = a.shard_map(NODES, {})
     assert got == {"0": "0", "1": "1", "2": "0", "3": "1", "4": "2"}
     d = decide.compute(3, [inv("a", (9, "0", 0), (9, "1", 1)), inv("b", (9, "0", 2), (9, "1", 3))], got, NODES, "a")
     assert d.step is None and d.shards == ["0", "1", "2"], "shard 2 has no replica: step 9 is not complete"
     # a record that does not verify, or one posted under another node's name, counts for nothing
     store.set(a.auth.key("shards", "b"), b'{"v": {"node_id": "b", "shards": {"2": "7"}}, "mac": "00"}')
     a.auth.put(store, {"node_id": "a", "shards": {"4": "9"}}, "shards", "c")
-    assert a.shard_map(NODES) == {"0": "0", "1": "1"}
+    assert a.shard_map(NODES, {}) == {"0": "0", "1": "1"}
     assert "shard map of b" in capsys.readouterr().err
 
 

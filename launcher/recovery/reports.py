@@ -24,7 +24,6 @@ class ReportBook:
         self.round = 0
         self.local_ranks: set[int] = set()
         self.shards: dict[int, str] = {}  # global rank -> shard, from "registered"
-        self.shards_changed = False  # since the agent last posted them for the job
         self.finished: set[int] = set()  # this node's ranks that finished their script
         self.finished_now: set[int] = set()  # those that finished it this round
         # rank -> (CPU seconds, when they last changed): a failed process's last
@@ -72,9 +71,7 @@ class ReportBook:
         if ev in ("loaded", "started") and not current:
             return  # this round's facts only
         if ev == "registered":
-            if self.shards.get(rank) != m["shard"]:
-                self.shards[rank] = m["shard"]
-                self.shards_changed = True
+            self.shards[rank] = m["shard"]
             return
         if ev == "finished":
             self.finished.add(rank)

@@ -22,6 +22,7 @@ from jitckpt import contract, layout
 from .. import decide, transfer
 from . import alive
 from .episode import Failure
+from .reports import ReportBook
 
 STATIC_LOST = ("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) cannot "
                "continue without a lost node or admit a replacement or spare; launch with --rdzv-backend c10d "
@@ -49,6 +50,7 @@ class Restorer:
         self.silence: alive.Silence | None = None  # which agents stopped beating (main thread)
         self._pulse: alive.Pulse | None = None
         self._finish_marked = -1  # the round whose finish mark this node set
+        self._posted_shards: dict[int, str] = {}  # this node's shard map as last posted
 
     def join_round(self, store, round_: int, group_rank: int, rdzv_node: str | None = None) -> None:
         """Say which node holds ``group_rank`` this round (``store``: the
@@ -66,14 +68,14 @@ class Restorer:
                 self.silence = alive.Silence(self.coord.store, self._jit.token)
         self.coord.announce(round_, group_rank)
 
-    def share(self, book, round_: int) -> None:
+    def share(self, book: ReportBook, round_: int) -> None:
         """What the job needs from this node's reports, which only this agent reads:
         its ranks' shards (for the deciding agent, even after this node is lost)
         and that one of them finished the job this round."""
         if self.coord is None:
             return
-        if book.shards_changed:
-            book.shards_changed = False
+        if book.shards != self._posted_shards:
+            self._posted_shards = dict(book.shards)
             self.coord.post_shards(book.shards)
         if self._finish_marked != round_ and book.finished_now:
             self._finish_marked = round_
@@ -206,8 +208,7 @@ class Restorer:
             invs = coord.wait_inventories(round_, nodes, grace, final, silent=silent)
             poll()  # this node's last reports, and its shard map posted
             # every node's ranks' shards, a lost node's too: a shard only it held is still needed
-            shard_of_rank = {**coord.shard_map(nodes), **{str(k): v for k, v in shards.items()}}
-            return decide.compute(round_, invs, shard_of_rank, nodes, decided_by=self._node.node_id)
+            return decide.compute(round_, invs, coord.shard_map(nodes, shards), nodes, decided_by=self._node.node_id)
 
         won = coord.agree(round_, compute_here, final + 5.0, silent)
         poll()  # as above, for the record this node may write
