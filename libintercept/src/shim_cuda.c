@@ -36,9 +36,10 @@ JI_TABLE(JI_PROTO_)
  * physical one (one hash probe), or NULL. */
 #define XLATE_SLOT(out, slot, h)                                            \
   void *out = (void *)(h);                                                  \
-  ji_vh *slot = ji_vh_of(h);                                                \
+  ji_vh *slot = NULL;                                                       \
   do {                                                                      \
-    if (slot) {                                                             \
+    if (ji_is_vh(h)) {                                                      \
+      slot = (ji_vh *)(h);                                                  \
       out = atomic_load_explicit(&slot->phys, memory_order_acquire);        \
       if (JI_UNLIKELY(!out)) return cudaErrorInvalidResourceHandle;         \
     } else if (atomic_load_explicit(&ji_pm_used, memory_order_relaxed)) {   \
@@ -50,9 +51,8 @@ JI_TABLE(JI_PROTO_)
 #define XLATE(out, h)                                                        \
   void *out = (void *)(h);                                                   \
   do {                                                                       \
-    ji_vh *v_ = ji_vh_of(h);                                                 \
-    if (v_) {                                                                \
-      out = atomic_load_explicit(&v_->phys, memory_order_acquire);           \
+    if (ji_is_vh(h)) {                                                       \
+      out = atomic_load_explicit(&((ji_vh *)(h))->phys, memory_order_acquire); \
       if (JI_UNLIKELY(!out)) return cudaErrorInvalidResourceHandle;          \
     }                                                                        \
   } while (0)
@@ -127,7 +127,9 @@ static inline void log3(int id, uint64_t a0, uint64_t a1, uint64_t a2) {
   ji_log_commit(rec);
 }
 
-static inline cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stream, unsigned flags, int wf) {
+/* Inlined into each entry point: id and wf fold to constants, and the hook
+ * costs no extra jump or argument shuffle. */
+static inline __attribute__((always_inline)) cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stream, unsigned flags, int wf) {
   void *fn = ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
   if (JI_UNLIKELY(ji_tls.depth))
@@ -252,7 +254,7 @@ JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return r;
 }
 
-static inline cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event, unsigned flags) {
+static inline __attribute__((always_inline)) cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event, unsigned flags) {
   ji_fn_cudaStreamWaitEvent fn = (ji_fn_cudaStreamWaitEvent)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
   if (JI_UNLIKELY(ji_tls.depth)) return fn(stream, event, flags);

@@ -119,18 +119,21 @@ _Static_assert(sizeof(ji_vh) <= 64, "virtual handle slot must stay one line");
 extern uintptr_t ji_vh_base;
 #define JI_VH_SLOT 64u
 #define JI_VH_MAX (1u << 20)
-
-static inline ji_vh *ji_vh_of(const void *h) {
-  uintptr_t off = (uintptr_t)h - ji_vh_base;
-  if (JI_LIKELY(off < (uintptr_t)JI_VH_SLOT * JI_VH_MAX) && (off % JI_VH_SLOT) == 0 && ji_vh_base)
-    return (ji_vh *)h;
-  return NULL;
-}
+#define JI_VH_SPAN ((uintptr_t)JI_VH_SLOT * JI_VH_MAX)
+/* ji_vh_base before the arena is mapped (or when it cannot be): the top of
+ * the address space, where no handle of the application's can lie (a base of
+ * 0 would make NULL and the small stream constants look virtual), so the
+ * hooks' range check needs no "is there an arena" test. */
+#define JI_VH_NONE ((uintptr_t)0 - JI_VH_SPAN)
+/* One test for "inside the arena and on a slot boundary": the offset has no
+ * bit above the arena's span and none below a slot. Never true for NULL. */
+#define JI_VH_MASK (~(JI_VH_SPAN - 1) | (JI_VH_SLOT - 1))
+static inline int ji_is_vh(const void *h) { return (((uintptr_t)h - ji_vh_base) & JI_VH_MASK) == 0; }
+static inline ji_vh *ji_vh_of(const void *h) { return ji_is_vh(h) ? (ji_vh *)h : NULL; }
 /* Physical handle for a virtual one; anything else (0, legacy/per-thread
  * stream constants, handles created behind our back) passes unchanged. */
 static inline void *ji_phys(const void *h) {
-  ji_vh *v = ji_vh_of(h);
-  return v ? atomic_load_explicit(&v->phys, memory_order_acquire) : (void *)h;
+  return ji_is_vh(h) ? atomic_load_explicit(&((ji_vh *)h)->phys, memory_order_acquire) : (void *)h;
 }
 
 /* Which kinds the application gets virtual handles for (JITCKPT_VIRTUAL_HANDLES).
@@ -160,8 +163,7 @@ static inline ji_vh *ji_pm_get(const void *phys) {
 }
 /* Record for an application handle, virtual or physical; NULL if unknown. */
 static inline ji_vh *ji_slot(const void *h) {
-  ji_vh *v = ji_vh_of(h);
-  if (v) return v;
+  if (ji_is_vh(h)) return (ji_vh *)h;
   return atomic_load_explicit(&ji_pm_used, memory_order_relaxed) ? ji_pm_get(h) : NULL;
 }
 /* The handle the application is given for a record. */

@@ -21,9 +21,8 @@ JI_TABLE(JI_PROTO_)
 #define NXLATE(out, h)                                                       \
   void *out = (void *)(h);                                                   \
   do {                                                                       \
-    ji_vh *v_ = ji_vh_of(h);                                                 \
-    if (v_) {                                                                \
-      out = atomic_load_explicit(&v_->phys, memory_order_acquire);           \
+    if (ji_is_vh(h)) {                                                       \
+      out = atomic_load_explicit(&((ji_vh *)(h))->phys, memory_order_acquire); \
       if (JI_UNLIKELY(!out)) return ncclInvalidArgument;                     \
     }                                                                        \
   } while (0)

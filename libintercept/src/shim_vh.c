@@ -18,7 +18,7 @@
 
 #include "shim_internal.h"
 
-uintptr_t ji_vh_base;
+uintptr_t ji_vh_base = JI_VH_NONE;
 int ji_vh_mode;
 _Atomic int ji_pm_used;
 static pthread_mutex_t vh_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -106,7 +106,7 @@ static void vh_init(void) {
 
 ji_vh *ji_vh_alloc(uint32_t kind, void *phys) {
   pthread_once(&vh_once, vh_init);
-  if (!ji_vh_base) return NULL;
+  if (ji_vh_base == JI_VH_NONE) return NULL;
   pthread_mutex_lock(&vh_mu);
   ji_vh *v = vh_free_head;
   if (v) {
@@ -159,7 +159,7 @@ void ji_vh_free(ji_vh *v) {
 }
 
 void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
-  if (!ji_vh_base) return;
+  if (ji_vh_base == JI_VH_NONE) return;
   pthread_mutex_lock(&vh_mu);
   uint32_t n = vh_high;
   pthread_mutex_unlock(&vh_mu);
@@ -173,7 +173,7 @@ JI_API void *jitintercept_physical(void *handle) { return ji_phys(handle); }
 
 /* Like ji_vh_foreach, shadow records included. */
 void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
-  if (!ji_vh_base) return;
+  if (ji_vh_base == JI_VH_NONE) return;
   pthread_mutex_lock(&vh_mu);
   uint32_t n = vh_high;
   pthread_mutex_unlock(&vh_mu);
