@@ -15,13 +15,19 @@
 #include "jitintercept.h"
 #include "shim_internal.h"
 
+ji_hot_t ji_hot = {.vh_base = JI_VH_NONE};
 _Atomic(void *) ji_real_fns[JI_N_SYMS];
 JI_TLS ji_thread ji_tls;
 static _Atomic(ji_cblock *) cblocks;
 
 ji_cblock *ji_cblock_new(void) {
-  ji_cblock *b = calloc(1, sizeof *b);
+  /* Whole cache lines of its own: a heap neighbour written by another thread
+   * (the runtime's queue entries) would otherwise share a line with the
+   * counters every hook on this thread increments. */
+  size_t n = (sizeof(ji_cblock) + 63) & ~(size_t)63;
+  ji_cblock *b = aligned_alloc(64, n);
   if (!b) return NULL;
+  memset(b, 0, n);
   ji_cblock *head = atomic_load(&cblocks);
   do b->next = head;
   while (!atomic_compare_exchange_weak(&cblocks, &head, b));

@@ -20,13 +20,17 @@ JI_TABLE(JI_PROTO_)
 
 #define NO_LIB cudaErrorInitializationError
 
-/* In recover mode a sticky error (>= 700: illegal address and its family)
+/* Every CALL runs where its hook's depth test found 0 on this thread, so the
+ * depth is stored (1, then 0) rather than incremented and decremented: the
+ * next hook's depth test then does not wait on a read-modify-write chain
+ * through memory.
+ * In recover mode a sticky error (>= 700: illegal address and its family)
  * from any call means the context is gone: fall back at once, before the
  * application sees the error (one predictable compare on the hot path). */
 #define CALL(expr)                                                     \
-  (ji_tls.depth++, __extension__({                                     \
+  (ji_tls.depth = 1, __extension__({                                   \
      cudaError_t r_ = (expr);                                          \
-     ji_tls.depth--;                                                   \
+     ji_tls.depth = 0;                                                 \
      if (JI_UNLIKELY(r_ >= 700) && ji_rcv_mode) r_ = (cudaError_t)ji_rcv_cuda_error(r_); \
      r_;                                                               \
    }))
@@ -42,7 +46,7 @@ JI_TABLE(JI_PROTO_)
       slot = (ji_vh *)(h);                                                  \
       out = atomic_load_explicit(&slot->phys, memory_order_acquire);        \
       if (JI_UNLIKELY(!out)) return cudaErrorInvalidResourceHandle;         \
-    } else if (atomic_load_explicit(&ji_pm_used, memory_order_relaxed)) {   \
+    } else if (atomic_load_explicit(&ji_hot.pm_used, memory_order_relaxed)) {   \
       slot = ji_pm_get(h);                                                  \
     }                                                                       \
   } while (0)

@@ -49,7 +49,6 @@
 
 int ji_dev_mode;
 _Atomic int ji_dev_lost;
-_Atomic int ji_discard;
 
 __attribute__((constructor)) static void dev_init(void) {
   const char *m = ji_getenv("JITCKPT_ON_DEVICE_LOSS");

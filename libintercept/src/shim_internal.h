@@ -23,6 +23,12 @@
 #include "nccl_abi.h"
 #include "shim_table.h"
 
+/* Everything declared below lives in this library: without this, -fvisibility
+ * =hidden leaves the extern declarations default, and every access to a
+ * global on the hot path goes through the GOT (a load of its address, then
+ * the load of the value) instead of one %rip-relative load. */
+#pragma GCC visibility push(hidden)
+
 #define JI_API __attribute__((visibility("default")))
 #define JI_HIDDEN __attribute__((visibility("hidden")))
 #define JI_LIKELY(x) __builtin_expect(!!(x), 1)
@@ -32,6 +38,20 @@
 #define JI_TLS __thread __attribute__((tls_model("initial-exec")))
 
 /* ---- real symbols, counters, environment, statistics (shim_core.c) ---- */
+/* The globals every hook reads, each written rarely (at start-up, once per
+ * minibatch, when a recovery starts or ends; their writers are named in the
+ * sections below): one cache line of their own, so a hook touches one line
+ * for all of them and no frequently written neighbour (a group count, a poll
+ * time) takes that line away from the threads that read it. */
+typedef struct {
+  uintptr_t vh_base;     /* virtual-handle arena, or JI_VH_NONE (shim_vh.c) */
+  _Atomic int pm_used;   /* a shadow record exists (shim_vh.c) */
+  _Atomic int log_armed; /* replay log armed (shim_replay.c) */
+  _Atomic int rcv_attn;  /* the hooks' slow-path gate (shim_transparent.c) */
+  _Atomic int discard;   /* drop device calls (shim_device.c) */
+} __attribute__((aligned(64))) ji_hot_t;
+extern ji_hot_t ji_hot;
+
 #define JI_FNTYPE_(name, ret, params, args, lib, flags) typedef ret(*ji_fn_##name) params;
 JI_TABLE(JI_FNTYPE_)
 #undef JI_FNTYPE_
@@ -78,7 +98,8 @@ typedef struct ji_thread {
    * a call that met a lost device itself (no re-issue from the log). */
   int in_block;
   ji_cblock *cnt;
-} ji_thread;
+} __attribute__((aligned(32))) ji_thread;
+_Static_assert(sizeof(ji_thread) == 32, "the thread block must stay within one cache line");
 extern JI_TLS ji_thread ji_tls;
 
 JI_HIDDEN double ji_now(void);
@@ -116,11 +137,10 @@ typedef struct ji_vh {
 } ji_vh;
 _Static_assert(sizeof(ji_vh) <= 64, "virtual handle slot must stay one line");
 
-extern uintptr_t ji_vh_base;
 #define JI_VH_SLOT 64u
 #define JI_VH_MAX (1u << 20)
 #define JI_VH_SPAN ((uintptr_t)JI_VH_SLOT * JI_VH_MAX)
-/* ji_vh_base before the arena is mapped (or when it cannot be): the top of
+/* ji_hot.vh_base before the arena is mapped (or when it cannot be): the top of
  * the address space, where no handle of the application's can lie (a base of
  * 0 would make NULL and the small stream constants look virtual), so the
  * hooks' range check needs no "is there an arena" test. */
@@ -128,7 +148,7 @@ extern uintptr_t ji_vh_base;
 /* One test for "inside the arena and on a slot boundary": the offset has no
  * bit above the arena's span and none below a slot. Never true for NULL. */
 #define JI_VH_MASK (~(JI_VH_SPAN - 1) | (JI_VH_SLOT - 1))
-static inline int ji_is_vh(const void *h) { return (((uintptr_t)h - ji_vh_base) & JI_VH_MASK) == 0; }
+static inline int ji_is_vh(const void *h) { return (((uintptr_t)h - ji_hot.vh_base) & JI_VH_MASK) == 0; }
 static inline ji_vh *ji_vh_of(const void *h) { return ji_is_vh(h) ? (ji_vh *)h : NULL; }
 /* Physical handle for a virtual one; anything else (0, legacy/per-thread
  * stream constants, handles created behind our back) passes unchanged. */
@@ -141,22 +161,25 @@ static inline void *ji_phys(const void *h) {
  * same bookkeeping), found from the physical handle through a hash map. */
 enum { JI_VM_STREAMS = 1, JI_VM_EVENTS = 2, JI_VM_COMMS = 4 };
 extern int ji_vh_mode;
-extern _Atomic int ji_pm_used;
 /* physical handle -> shadow record: open addressing, pointer keys, linear
  * probing (shim_vh.c). Readers are lock-free: acquire load of the key, value
  * stored before the key is published. */
 #define JI_PM_CAP (1u << 16)
 #define JI_PM_PROBE 64
-extern _Atomic(void *) ji_pm_key[JI_PM_CAP];
-extern _Atomic(ji_vh *) ji_pm_val[JI_PM_CAP];
+/* Key and value side by side: a probe reads one cache line, not two. */
+typedef struct {
+  _Atomic(void *) key;
+  _Atomic(ji_vh *) val;
+} ji_pm_ent;
+extern ji_pm_ent ji_pm[JI_PM_CAP];
 static inline size_t ji_pm_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull >> 48); }
 static inline ji_vh *ji_pm_get(const void *phys) {
   if (!phys) return NULL;
   size_t h = ji_pm_hash(phys);
   for (unsigned i = 0; i < JI_PM_PROBE; i++) {
     size_t s = (h + i) & (JI_PM_CAP - 1);
-    void *k = atomic_load_explicit(&ji_pm_key[s], memory_order_acquire);
-    if (JI_LIKELY(k == phys)) return atomic_load_explicit(&ji_pm_val[s], memory_order_relaxed);
+    void *k = atomic_load_explicit(&ji_pm[s].key, memory_order_acquire);
+    if (JI_LIKELY(k == phys)) return atomic_load_explicit(&ji_pm[s].val, memory_order_relaxed);
     if (!k) return NULL;
   }
   return NULL;
@@ -164,7 +187,7 @@ static inline ji_vh *ji_pm_get(const void *phys) {
 /* Record for an application handle, virtual or physical; NULL if unknown. */
 static inline ji_vh *ji_slot(const void *h) {
   if (ji_is_vh(h)) return (ji_vh *)h;
-  return atomic_load_explicit(&ji_pm_used, memory_order_relaxed) ? ji_pm_get(h) : NULL;
+  return atomic_load_explicit(&ji_hot.pm_used, memory_order_relaxed) ? ji_pm_get(h) : NULL;
 }
 /* The handle the application is given for a record. */
 static inline void *ji_vh_app(ji_vh *v) { return v->shadow ? atomic_load(&v->phys) : (void *)v; }
@@ -283,9 +306,8 @@ typedef struct ji_rec {
   uint32_t blob_len;
   uint64_t a[];   /* nargs raw argument words, then the blob */
 } ji_rec;
-extern _Atomic int ji_log_armed;
 static inline int ji_log_on(void) {
-  return atomic_load_explicit(&ji_log_armed, memory_order_relaxed) && !ji_tls.log_off;
+  return atomic_load_explicit(&ji_hot.log_armed, memory_order_relaxed) && !ji_tls.log_off;
 }
 extern unsigned char *ji_log_base;
 extern size_t ji_log_cap;
@@ -344,15 +366,14 @@ JI_HIDDEN int ji_replay_record(ji_rec *r);
 /* ---- lost device (shim_device.c) ----
  * ji_dev_mode: set once by a constructor. ji_dev_lost: this process's device
  * is gone (set by the recovery's coordinator, cleared once the new device is
- * attached). ji_discard: set by the coordinator for a fault in the optimizer
+ * attached). ji_hot.discard: set by the coordinator for a fault in the optimizer
  * step, cleared by minibatch_begin; read by hooks on any thread. */
 extern int ji_dev_mode;
 extern _Atomic int ji_dev_lost;
-extern _Atomic int ji_discard;
 JI_HIDDEN uint64_t ji_callsite(void);
 /* After a device lost in the optimizer step: the step's remaining device work
  * is dropped (the replica's post-update state was taken instead). */
-#define JI_DISCARDED() JI_UNLIKELY(atomic_load_explicit(&ji_discard, memory_order_relaxed))
+#define JI_DISCARDED() JI_UNLIKELY(atomic_load_explicit(&ji_hot.discard, memory_order_relaxed))
 JI_HIDDEN const char *ji_dev_precheck(void);
 JI_HIDDEN uint64_t ji_dev_digest(void);
 /* Every live allocation's name and bytes hashed (read back from the device): NULL, or why not. */
@@ -373,10 +394,9 @@ typedef struct ji_fault {
 } ji_fault;
 extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
 /* Gate: every hook passes it after its depth check (ji_count); one relaxed
- * load of ji_rcv_attn, nonzero while a recovery runs (ji_rcv_active) or some
+ * load of ji_hot.rcv_attn, nonzero while a recovery runs (ji_rcv_active) or some
  * thread has a call to re-issue (ji_tls.reissue): one check for both. */
 extern _Atomic int ji_rcv_active;
-extern _Atomic int ji_rcv_attn;
 JI_HIDDEN void ji_rcv_attend(void);
 extern _Atomic unsigned ji_rcv_gen;
 extern _Atomic int ji_open_groups;
@@ -403,7 +423,7 @@ JI_HIDDEN void ji_wd_start(void);
 
 /* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
 static inline void ji_count(int id) {
-  if (JI_UNLIKELY(atomic_load_explicit(&ji_rcv_attn, memory_order_relaxed))) ji_rcv_attend();
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed))) ji_rcv_attend();
   ji_cblock *b = ji_tls.cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;
@@ -421,5 +441,7 @@ static inline unsigned ji_rcv_begin(void) {
   ji_tls.in_block = 1;
   return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
 }
+
+#pragma GCC visibility pop
 
 #endif

@@ -40,7 +40,7 @@ JI_API void jitintercept_minibatch_begin(void) {
   if (ji_rcv_mode && atomic_load(&ji_opt_in_mb)) quiesce();
   if (!ji_log_new_minibatch()) return;
   atomic_store(&ji_opt_in_mb, 0);
-  atomic_store(&ji_discard, 0); /* a lost-device recovery's skip ends here */
+  atomic_store(&ji_hot.discard, 0); /* a lost-device recovery's skip ends here */
 }
 
 JI_API void jitintercept_optimizer_begin(void) {

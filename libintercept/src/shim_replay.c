@@ -27,7 +27,6 @@
 #include "jitintercept.h"
 #include "shim_internal.h"
 
-_Atomic int ji_log_armed;
 unsigned char *ji_log_base;
 size_t ji_log_cap;
 _Atomic uint64_t ji_log_tail;
@@ -60,7 +59,7 @@ __attribute__((constructor)) static void log_ctor(void) {
   const char *e = ji_getenv("JITCKPT_REPLAY_LOG");
   if (e && !strcmp(e, "1") && log_arm()) {
     atomic_store(&ji_log_epoch, 1);
-    atomic_store(&ji_log_armed, 1);
+    atomic_store(&ji_hot.log_armed, 1);
   }
 }
 
@@ -72,9 +71,9 @@ void ji_log_overflowed(void) {
 void ji_log_mark_incomplete(void) { atomic_store_explicit(&log_incomplete, 1, memory_order_relaxed); }
 
 int ji_log_new_minibatch(void) {
-  if (!atomic_load(&ji_log_armed)) {
+  if (!atomic_load(&ji_hot.log_armed)) {
     if (!log_arm()) return 0;
-    atomic_store(&ji_log_armed, 1);
+    atomic_store(&ji_hot.log_armed, 1);
   }
   atomic_fetch_add(&ji_log_epoch, 1);
   atomic_store(&ji_log_tail, 0);
@@ -89,11 +88,11 @@ uint64_t ji_log_tail_now(void) {
   return t < ji_log_cap ? t : ji_log_cap;
 }
 void ji_log_mark_synced(void) {
-  if (atomic_load_explicit(&ji_log_armed, memory_order_relaxed))
+  if (atomic_load_explicit(&ji_hot.log_armed, memory_order_relaxed))
     atomic_store_explicit(&log_synced, ji_log_tail_now(), memory_order_relaxed);
 }
 int ji_log_replayable(const char **why) {
-  if (!atomic_load(&ji_log_armed)) *why = "no replay log (jitintercept_minibatch_begin never called)";
+  if (!atomic_load(&ji_hot.log_armed)) *why = "no replay log (jitintercept_minibatch_begin never called)";
   else if (atomic_load(&log_overflow)) *why = "the replay log overflowed (JITCKPT_REPLAY_CAP_MB)";
   else if (atomic_load(&log_incomplete)) *why = "the replay log is incomplete (unknown kernel parameter sizes or host callbacks)";
   else return 1;
@@ -417,7 +416,7 @@ JI_API int jitintercept_replay(void) { return ji_replay_run(UINT64_MAX, NULL, 0)
  * as the call itself would have been (no wait; to-host copies land where the
  * application will read them). */
 static int replay_range(uint64_t off, uint64_t end, int *nrec, double deadline, int reissue) {
-  if (!atomic_load(&ji_log_armed) || atomic_load(&log_overflow) || atomic_load(&log_incomplete)) return -1;
+  if (!atomic_load(&ji_hot.log_armed) || atomic_load(&log_overflow) || atomic_load(&log_incomplete)) return -1;
   uint64_t synced = reissue ? 0 : deadline > 0 ? atomic_load(&log_synced) : UINT64_MAX;
   int status = 0, count = 0;
   void **scratch = NULL;

@@ -50,7 +50,6 @@
 #include "shim_internal.h"
 
 _Atomic int ji_rcv_active;
-_Atomic int ji_rcv_attn;
 _Atomic unsigned ji_rcv_gen;
 int ji_rcv_mode;
 _Atomic int ji_open_groups;
@@ -115,12 +114,12 @@ void ji_rcv_attend(void) {
 static void gate_up(void) {
   atomic_fetch_add(&ji_rcv_gen, 1);
   atomic_store(&ji_rcv_active, 1);
-  atomic_fetch_add(&ji_rcv_attn, 1);
+  atomic_fetch_add(&ji_hot.rcv_attn, 1);
 }
 static void gate_down(void) {
   pthread_mutex_lock(&g_mu);
   atomic_store(&ji_rcv_active, 0);
-  atomic_fetch_sub(&ji_rcv_attn, 1);
+  atomic_fetch_sub(&ji_hot.rcv_attn, 1);
   pthread_cond_broadcast(&g_cv);
   pthread_mutex_unlock(&g_mu);
 }
@@ -514,7 +513,7 @@ int ji_rcv_run(const ji_fault *f, int failed_in_group) {
    * device lost in the optimizer step, take the replicas' post-update state
    * and drop this step's remaining device calls. */
   int nrec = 0;
-  if (skip) atomic_store(&ji_discard, 1);
+  if (skip) atomic_store(&ji_hot.discard, 1);
   rc = skip ? 0 : ji_replay_run(end, &nrec, deadline);
   ri.replayed = nrec;
   if (rc == -3) fallback(&ri, "second fault: the replay did not complete within the bound");
@@ -573,7 +572,7 @@ int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl) {
  * returns instead. Without a device swap a sticky error falls back (never
  * returns). With one, after the recovery (run here, or by another thread
  * meanwhile) the failed call is dropped (the step's remaining calls are, see
- * ji_discard) or re-issued: a blocking hook redoes it itself, any other is
+ * ji_hot.discard) or re-issued: a blocking hook redoes it itself, any other is
  * executed from its log record when the hook logs it (ji_tls.reissue). */
 int ji_rcv_cuda_error(int rc) {
   if (tls_coord || !ji_sticky_cuda(rc)) return rc;
@@ -594,17 +593,17 @@ int ji_rcv_cuda_error(int rc) {
   }
   while (!swapped && ji_rcv_run(&f, 0) == -2) { /* another thread is inside an NCCL group: retried */
   }
-  if (atomic_load(&ji_discard)) return cudaSuccess;
+  if (atomic_load(&ji_hot.discard)) return cudaSuccess;
   if (!ji_tls.in_block && !ji_tls.reissue) {
     ji_tls.reissue = 1;
-    atomic_fetch_add(&ji_rcv_attn, 1);
+    atomic_fetch_add(&ji_hot.rcv_attn, 1);
   }
   return cudaSuccess;
 }
 
 void ji_rcv_reissue(ji_rec *r) {
   ji_tls.reissue = 0;
-  atomic_fetch_sub(&ji_rcv_attn, 1);
+  atomic_fetch_sub(&ji_hot.rcv_attn, 1);
   int st = ji_replay_record(r);
   if (st) ji_rcv_reissue_failed(st);
 }

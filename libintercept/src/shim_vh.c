@@ -18,9 +18,7 @@
 
 #include "shim_internal.h"
 
-uintptr_t ji_vh_base = JI_VH_NONE;
 int ji_vh_mode;
-_Atomic int ji_pm_used;
 static pthread_mutex_t vh_mu = PTHREAD_MUTEX_INITIALIZER;
 static uint32_t vh_high;     /* slots handed out so far (bump pointer) */
 static ji_vh *vh_free_head;  /* free list, linked through ->comm */
@@ -32,8 +30,7 @@ static pthread_once_t vh_once = PTHREAD_ONCE_INIT;
 #define PM_CAP JI_PM_CAP
 #define PM_PROBE JI_PM_PROBE
 #define PM_TOMB ((void *)~(uintptr_t)0)
-_Atomic(void *) ji_pm_key[PM_CAP];
-_Atomic(ji_vh *) ji_pm_val[PM_CAP];
+ji_pm_ent ji_pm[PM_CAP];
 
 /* Caller holds vh_mu. Returns 0 when the probe window is full (the object is
  * then simply not tracked: no Fig. 3 watch, no rank label). */
@@ -41,10 +38,10 @@ static int pm_put_locked(void *phys, ji_vh *v) {
   size_t h = ji_pm_hash(phys);
   for (unsigned i = 0; i < PM_PROBE; i++) {
     size_t s = (h + i) & (PM_CAP - 1);
-    void *k = atomic_load(&ji_pm_key[s]);
+    void *k = atomic_load(&ji_pm[s].key);
     if (!k || k == PM_TOMB || k == phys) {
-      atomic_store_explicit(&ji_pm_val[s], v, memory_order_relaxed);
-      atomic_store_explicit(&ji_pm_key[s], phys, memory_order_release);
+      atomic_store_explicit(&ji_pm[s].val, v, memory_order_relaxed);
+      atomic_store_explicit(&ji_pm[s].key, phys, memory_order_release);
       return 1;
     }
   }
@@ -57,9 +54,9 @@ static void pm_del_locked(void *phys, ji_vh *v) {
   size_t h = ji_pm_hash(phys);
   for (unsigned i = 0; i < PM_PROBE; i++) {
     size_t s = (h + i) & (PM_CAP - 1);
-    void *k = atomic_load(&ji_pm_key[s]);
+    void *k = atomic_load(&ji_pm[s].key);
     if (k == phys) {
-      if (atomic_load(&ji_pm_val[s]) == v) atomic_store(&ji_pm_key[s], PM_TOMB);
+      if (atomic_load(&ji_pm[s].val) == v) atomic_store(&ji_pm[s].key, PM_TOMB);
       return;
     }
     if (!k) return;
@@ -101,18 +98,18 @@ static void vh_init(void) {
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return;
   if (__lsan_register_root_region) __lsan_register_root_region(p, (size_t)JI_VH_SLOT * JI_VH_MAX);
-  ji_vh_base = (uintptr_t)p;
+  ji_hot.vh_base = (uintptr_t)p;
 }
 
 ji_vh *ji_vh_alloc(uint32_t kind, void *phys) {
   pthread_once(&vh_once, vh_init);
-  if (ji_vh_base == JI_VH_NONE) return NULL;
+  if (ji_hot.vh_base == JI_VH_NONE) return NULL;
   pthread_mutex_lock(&vh_mu);
   ji_vh *v = vh_free_head;
   if (v) {
     vh_free_head = (ji_vh *)v->comm;
   } else if (vh_high < JI_VH_MAX) {
-    v = (ji_vh *)(ji_vh_base + (uintptr_t)vh_high++ * JI_VH_SLOT);
+    v = (ji_vh *)(ji_hot.vh_base + (uintptr_t)vh_high++ * JI_VH_SLOT);
   }
   pthread_mutex_unlock(&vh_mu);
   if (!v) return NULL;
@@ -129,7 +126,7 @@ ji_vh *ji_vh_alloc(uint32_t kind, void *phys) {
     pthread_mutex_lock(&vh_mu);
     int ok = pm_put_locked(phys, v);
     pthread_mutex_unlock(&vh_mu);
-    atomic_store(&ji_pm_used, 1);
+    atomic_store(&ji_hot.pm_used, 1);
     if (!ok) { /* untracked: hand the slot back, the app keeps the physical handle */
       ji_vh_free(v);
       return NULL;
@@ -159,12 +156,12 @@ void ji_vh_free(ji_vh *v) {
 }
 
 void ji_vh_foreach(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
-  if (ji_vh_base == JI_VH_NONE) return;
+  if (ji_hot.vh_base == JI_VH_NONE) return;
   pthread_mutex_lock(&vh_mu);
   uint32_t n = vh_high;
   pthread_mutex_unlock(&vh_mu);
   for (uint32_t i = 0; i < n; i++) {
-    ji_vh *v = (ji_vh *)(ji_vh_base + (uintptr_t)i * JI_VH_SLOT);
+    ji_vh *v = (ji_vh *)(ji_hot.vh_base + (uintptr_t)i * JI_VH_SLOT);
     if (v->kind == kind && !v->shadow && atomic_load(&v->phys)) fn(v, arg);
   }
 }
@@ -173,12 +170,12 @@ JI_API void *jitintercept_physical(void *handle) { return ji_phys(handle); }
 
 /* Like ji_vh_foreach, shadow records included. */
 void ji_vh_foreach_all(uint32_t kind, void (*fn)(ji_vh *, void *), void *arg) {
-  if (ji_vh_base == JI_VH_NONE) return;
+  if (ji_hot.vh_base == JI_VH_NONE) return;
   pthread_mutex_lock(&vh_mu);
   uint32_t n = vh_high;
   pthread_mutex_unlock(&vh_mu);
   for (uint32_t i = 0; i < n; i++) {
-    ji_vh *v = (ji_vh *)(ji_vh_base + (uintptr_t)i * JI_VH_SLOT);
+    ji_vh *v = (ji_vh *)(ji_hot.vh_base + (uintptr_t)i * JI_VH_SLOT);
     if (v->kind == kind && atomic_load(&v->phys)) fn(v, arg);
   }
 }
