@@ -136,10 +136,10 @@ static inline void log3(int id, uint64_t a0, uint64_t a1, uint64_t a2) {
 static inline __attribute__((always_inline)) cudaError_t ev_record(int id, cudaEvent_t event, cudaStream_t stream, unsigned flags, int wf) {
   void *fn = ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls.depth))
+  if (ji_enter_hot())
     return wf ? ((ji_fn_cudaEventRecordWithFlags)fn)(event, stream, flags)
               : ((ji_fn_cudaEventRecord)fn)(event, stream);
-  ji_count(id);
+  ji_count_only(id);
   XLATE_SLOT(pe, ve, event);
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
@@ -174,8 +174,8 @@ JI_API cudaError_t cudaEventRecordWithFlags_ptsz(cudaEvent_t event, cudaStream_t
 JI_API cudaError_t cudaEventQuery(cudaEvent_t event) {
   ji_fn_cudaEventQuery fn = REAL(cudaEventQuery);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls.depth)) return fn(event);
-  COUNT(cudaEventQuery);
+  if (ji_enter_hot()) return fn(event);
+  ji_count_only(JI_ID_cudaEventQuery);
   XLATE(pe, event);
   /* A pure query changes no device state: not logged. */
   return CALL(fn(pe));
@@ -261,8 +261,8 @@ JI_API cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 static inline __attribute__((always_inline)) cudaError_t st_wait(int id, cudaStream_t stream, cudaEvent_t event, unsigned flags) {
   ji_fn_cudaStreamWaitEvent fn = (ji_fn_cudaStreamWaitEvent)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls.depth)) return fn(stream, event, flags);
-  ji_count(id);
+  if (ji_enter_hot()) return fn(stream, event, flags);
+  ji_count_only(id);
   XLATE(ps, stream);
   XLATE_SLOT(pe, ve, event);
   cudaError_t r = CALL(fn(ps, pe, flags));
@@ -506,8 +506,8 @@ static inline cudaError_t launch(int id, const void *f, int is_kernel, dim3 g, d
 #define LCALL(s)                                                              \
   (is_kernel ? ((ji_fn___cudaLaunchKernel)fn)((cudaKernel_t)f, g, b, args, shm, s) \
              : ((ji_fn_cudaLaunchKernel)fn)(f, g, b, args, shm, s))
-  if (JI_UNLIKELY(ji_tls.depth)) return LCALL(stream);
-  ji_count(id);
+  if (ji_enter_hot()) return LCALL(stream);
+  ji_count_only(id);
   if (JI_DISCARDED()) return cudaSuccess;
   XLATE(ps, stream);
   if (in_trigger()) ps = ji_private_stream();
@@ -552,8 +552,8 @@ JI_API cudaError_t __cudaGetKernel(cudaKernel_t *kernel, const void *func) {
 static cudaError_t st_query(int id, cudaStream_t stream) {
   ji_fn_cudaStreamQuery fn = (ji_fn_cudaStreamQuery)ji_real(id);
   if (JI_UNLIKELY(!fn)) return NO_LIB;
-  if (JI_UNLIKELY(ji_tls.depth)) return fn(stream);
-  ji_count(id);
+  if (ji_enter_hot()) return fn(stream);
+  ji_count_only(id);
   XLATE(ps, stream);
   return CALL(fn(ps));
 }

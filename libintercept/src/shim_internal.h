@@ -393,7 +393,7 @@ typedef struct ji_fault {
   double waited;      /* detection: seconds the collective waited (hangs) */
 } ji_fault;
 extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
-/* Gate: every hook passes it after its depth check (ji_count); one relaxed
+/* Gate: every hook passes it after its depth check (ji_count, ji_enter_hot); one relaxed
  * load of ji_hot.rcv_attn, nonzero while a recovery runs (ji_rcv_active) or some
  * thread has a call to re-issue (ji_tls.reissue): one check for both. */
 extern _Atomic int ji_rcv_active;
@@ -422,15 +422,28 @@ JI_HIDDEN __attribute__((noreturn)) void ji_rcv_reissue_failed(int status);
 JI_HIDDEN void ji_wd_start(void);
 
 /* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
-static inline void ji_count(int id) {
-  if (JI_UNLIKELY(atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed))) ji_rcv_attend();
+static inline void ji_count_only(int id) {
   ji_cblock *b = ji_tls.cnt;
   if (JI_UNLIKELY(!b)) b = ji_cblock_new();
   if (JI_UNLIKELY(!b)) return;
   atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
                         memory_order_relaxed);
 }
+static inline void ji_count(int id) {
+  if (JI_UNLIKELY(atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed))) ji_rcv_attend();
+  ji_count_only(id);
+}
 #define COUNT(name) ji_count(JI_ID_##name)
+/* The JI_HOT hooks' first test: the depth test and the gate in one branch
+ * (the two words OR'ed), then ji_count_only. 1: a shim frame is below this
+ * call on this thread, pass it straight through. */
+static inline int ji_enter_hot(void) {
+  int d = ji_tls.depth;
+  if (JI_LIKELY(!(d | atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed)))) return 0;
+  if (d) return 1;
+  ji_rcv_attend();
+  return 0;
+}
 /* Publishes a record; after a lost-device recovery the call that met the lost
  * device is executed from it now, on the new device. */
 static inline void ji_log_commit(ji_rec *r) {
