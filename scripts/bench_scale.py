@@ -370,18 +370,24 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
         job.t_fail = time.monotonic()
         victim.handler._stop_heartbeats()  # the node is gone: no more keep-alives, its ranks say nothing
         job.failed.set()
-        if not job.wait_for(lambda: len(job.at["restarted"]) == n, args.timeout):
-            raise RuntimeError(f"not every node restarted: {len(job.at['restarted'])}/{n} "
-                               f"({len(job.at['decided'])} decided); {job.errors[:3]}")
+        readmitted = job.wait_for(lambda: len(job.at["restarted"]) == n, args.timeout)
+        why = (f"not every node restarted: {len(job.at['restarted'])}/{n} "
+               f"({len(job.at['decided'])} decided); {job.errors[:3]}")
+        if not readmitted and len(job.at["decided"]) < n - 1:
+            raise RuntimeError(why)
     finally:
         job.stop.set()
         for nd in [*nodes, spare]:
             nd.handler._stop_heartbeats()
-    decided, restarted = max(job.at["decided"].values()), max(job.at["restarted"].values())
+    decided = max(job.at["decided"].values())
+    # every survivor decided but the next round did not form: the decision is still measured, and the row says why
+    restarted = round(max(job.at["restarted"].values()) - job.t_fail, 4) if readmitted else None
     return {"nodes": n, "ranks_per_node": args.ranks,
-            "decision_s": round(decided - job.t_fail, 4), "restarted_s": round(restarted - job.t_fail, 4),
+            "decision_s": round(decided - job.t_fail, 4), "restarted_s": restarted,
+            **({} if readmitted else {"readmission_failed": why}),
             "keepalive_expiry_s": args.keepalive * args.keepalive_n,
-            "to_decision": _delta(before, job.snap["decided"]), "to_restart": _delta(before, job.snap["restarted"]),
+            "to_decision": _delta(before, job.snap["decided"]),
+            "to_restart": _delta(before, job.snap["restarted"] if readmitted else job.tally.snapshot()),
             "healthy_per_s": {k: {m: round(v / healthy_s) for m, v in healthy[k].items()} for k in BUCKETS},
             # the simulation's own CPU while healthy (keep-alives, polls): what the failure's work queues behind
             "healthy_cpu_per_s": round(healthy["cpu_s"] / healthy_s, 3),
@@ -478,7 +484,8 @@ def table(rows: list[dict]) -> str:
         t = r["to_restart"]
         msgs, nbytes = sum(t[b]["msgs"] for b in BUCKETS), sum(t[b]["bytes"] for b in BUCKETS)
         hz = sum(v["msgs"] for v in r["healthy_per_s"].values())
-        lines.append(f"{r['nodes']:>6} {r['decision_s']:>9.3f} {r['restarted_s']:>10.3f} {msgs:>10} {nbytes:>11} "
+        rs = "-" if r["restarted_s"] is None else f"{r['restarted_s']:.3f}"
+        lines.append(f"{r['nodes']:>6} {r['decision_s']:>9.3f} {rs:>10} {msgs:>10} {nbytes:>11} "
                      f"{t['decide']['msgs']:>12} {t['reports']['msgs']:>12} {t['rdzv']['msgs']:>10} "
                      f"{t['rdzv']['bytes']:>11} {hz:>14} {t['cpu_s']:>6.2f} "
                      f"{r['agent_cpu_to_decision_s']['max']:>9.3f} {r['load_avg']:>5.1f}")
@@ -496,7 +503,8 @@ def plot(rows: list[dict], path: Path) -> str:
     ns = [r["nodes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(ns, [r["decision_s"] for r in rows], "o-", label="failure -> decision")
-    a.plot(ns, [r["restarted_s"] for r in rows], "s-", label="failure -> all nodes re-admitted")
+    a.plot(ns, [float("nan") if r["restarted_s"] is None else r["restarted_s"] for r in rows], "s-",
+           label="failure -> all nodes re-admitted")
     a.axhline(rows[0]["keepalive_expiry_s"], ls=":", c="grey", label="dead node's keep-alive expiry")
     a.set(xscale="log", yscale="log", xlabel="nodes", ylabel="seconds", title="time per failure")
     for bucket, mark in zip(BUCKETS, "o^s", strict=True):

@@ -12,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
+from conftest import TRAIN, assert_same_state, assert_verified_fingerprint, run_reference
 from netns import Cluster, Node, Proc, signal_all
+
+from jitckpt.config import EXIT_SAVED
 
 WHY = Cluster.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
@@ -28,7 +31,8 @@ class Job:
 
     def __init__(self, cluster: Cluster, nproc: int, steps: int, *, train: list[str] = (),
                  extra: list[str] = (), nnodes: int | None = None, timeout_s: float = 5,
-                 rdzv_conf: str = "keep_alive_interval=2", static: bool = False) -> None:
+                 rdzv_conf: str = "keep_alive_interval=2", static: bool = False,
+                 script: list[str] | None = None) -> None:
         self.rdzv_conf = rdzv_conf
         self.static = static  # the classic --nnodes/--node-rank/--master-addr form
         self.c = cluster
@@ -39,6 +43,8 @@ class Job:
         self.out = cluster.dir / "final.pt"
         self.train = list(train)
         self.extra = list(extra)
+        # a user's script and its arguments instead of tests/fault_train.py (which ``train`` extends)
+        self.script = script
         self.timeout_s = timeout_s
         self.procs: dict[str, Proc] = {}
 
@@ -51,7 +57,7 @@ class Job:
         return [sys.executable, "-m", "jitrun.cli", "--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc),
                 *rdzv, "--max-restarts", "3", "--jit-timeout", str(self.timeout_s),
                 "--jit-dir", self.jit, "--local-addr", node.addr, *self.extra,
-                str(TRAIN), "--steps", str(self.steps), "--out", str(self.out), *self.train]
+                *(self.script or [str(TRAIN), "--steps", str(self.steps), "--out", str(self.out), *self.train])]
 
     def start(self, node: Node, name: str | None = None, env: dict | None = None) -> Proc:
         name = name or f"agent{node.index}"
@@ -379,6 +385,73 @@ def test_corrupt_transfer_is_retried_from_another_source(mn_reference):
         assert fails and "verification" in fails[0]["error"], evs
         assert got and got[0]["source"].startswith(c.nodes[1].addr), got
         assert got[0]["via"] == "stream" and not [e for e in evs if e["event"] == "replica_fetch_fallback"], evs
+
+
+CATCHING = Path(__file__).with_name("catchers") / "try_exit.py"  # logs any exception and exits 1
+
+
+@pytest.fixture(scope="module")
+def catching_reference(tmp_path_factory) -> Path:
+    """The catching script's failure-free run: plain torchrun, 2 ranks on one node."""
+    tmp = tmp_path_factory.mktemp("ref-try-exit")
+    out = tmp / "reference.pt"
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(CATCHING), "--out", str(out), "--epochs", "3"], cwd=tmp, timeout=300)
+    assert cp.returncode == 0, cp.stdout[-3000:]
+    return out
+
+
+def _stopped_worker(node: Node, timeout: float = 120) -> None:
+    """Until a training process on ``node`` is stopped (its injected SIGSTOP)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in node.pids():
+            try:
+                p = psutil.Process(pid)
+                if p.status() == psutil.STATUS_STOPPED:  # only the rank stops itself (forked from a warm server)
+                    return
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    pytest.fail(f"no training process on {node.addr} stopped in {timeout}s")
+
+
+@pytest.mark.parametrize("lost", ["rank", "node"])
+def test_catching_script_across_nodes(lost, catching_reference):
+    """A script that catches every exception and exits 1 (``try: main() except
+    Exception: sys.exit(1)``), one rank per node: the rank on node 1 is killed
+    inside a minibatch, or the whole of node 1 vanishes while its rank is stopped
+    before a minibatch's first collective and a hot spare waits. Node 0's rank
+    saves where torch raises, before the script's ``except`` runs, and the job
+    ends bit-identical to the failure-free run."""
+    with Cluster(2) as c:
+        out = c.dir / "final.pt"
+        # a stopped rank is only the moment of the node's loss: the ceiling must not fire first
+        job = Job(c, 1, 0, script=[str(CATCHING), "--out", str(out), "--epochs", "3"],
+                  timeout_s=5 if lost == "rank" else 60)
+        job.out = out
+        kind, phase = ("sigkill", "backward") if lost == "rank" else ("sigstop", "forward")
+        job.start_all(env={"JITCKPT_FAULT": f"rank=1,step=10,phase={phase},kind={kind}"})
+        killed: tuple[str, ...] = ()
+        if lost == "node":
+            spare = c.add_node()
+            job.start(spare, name="spare")
+            job.wait_spare()
+            _stopped_worker(c.nodes[1])
+            assert c.nodes[1].kill(), "node 1 had processes"
+            killed = ("agent1",)
+        evs = job.assert_recovered(catching_reference, killed=killed)
+        text = job.logs()
+        assert "training failed" not in text and "Traceback" not in text, text  # no except ever ran
+        first = next(e for e in evs if e["event"] == "restart")
+        exits = {e["rank"]: e["exitcode"] for e in evs[:evs.index(first)] if e["event"] == "worker_exit"}
+        # rank 0 saved (75) before any except; rank 1 died of its SIGKILL (its node's timeline is gone with it)
+        assert exits == ({0: EXIT_SAVED, 1: -9} if lost == "rank" else {0: EXIT_SAVED}), (exits, text)
+        saved = [(e["rank"], e["step"]) for e in evs if e["event"] == "checkpoint_saved"]
+        assert (0, 10) in saved, (saved, text)
+        if lost == "node":
+            assert any(e["event"] == "node_lost" for e in evs), text
+            assert any(e["event"] == "loaded" for e in job.events("spare")), text
 
 
 def test_lost_node_without_replacement_ends_clearly():
