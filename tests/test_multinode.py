@@ -30,7 +30,7 @@ class Job:
     """One multi-node jitrun job on a Cluster (same command on every node)."""
 
     def __init__(self, cluster: Cluster, nproc: int, steps: int, *, train: list[str] = (),
-                 extra: list[str] = (), nnodes: int | None = None, timeout_s: float = 5,
+                 extra: list[str] = (), nnodes: int | None = None, timeout_s: float | str = 5,
                  rdzv_conf: str = "keep_alive_interval=2", static: bool = False,
                  script: list[str] | None = None) -> None:
         self.rdzv_conf = rdzv_conf
@@ -229,17 +229,52 @@ def test_slow_save_fn(nnodes, nproc, mn_reference):
 
 
 LONG = 90  # steps at 0.05 s extra each: long enough to lose a node mid-training
+PAUSE = 9  # the step before whose forward the ranks of a node the test will kill stop themselves
+PAUSED = "fixed:60"  # --jit-timeout while a node's ranks wait stopped for the test to kill it
+
+
+def _stop_on(job: Job, node: Node, step: int = PAUSE) -> dict[int, dict]:
+    """``env_of`` for ``Job.start_all``: every rank on ``node`` stops itself
+    (SIGSTOP) before ``step``'s forward, so the test kills the node at a known
+    minibatch however slow the host, with no training time spent waiting for
+    it. Which global ranks land on a node is the rendezvous' choice: the node
+    gets a spec for every rank; only its own fire. A stopped rank is a hang the
+    learned bound finds within a second, so the job runs with a fixed timeout
+    longer than the pause (``PAUSED``): the node's loss is then what the peers see."""
+    world = job.nnodes * job.nproc
+    specs = ";".join(f"rank={r},step={step},phase=forward,kind=sigstop" for r in range(world))
+    return {node.index: {"JITCKPT_FAULT": specs}}
+
+
+def _stopped_worker(node: Node, timeout: float = 120) -> None:
+    """Until a training process on ``node`` is stopped (its injected SIGSTOP)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in node.pids():
+            try:
+                p = psutil.Process(pid)
+                if p.status() == psutil.STATUS_STOPPED:  # only the rank stops itself (forked from a warm server)
+                    return
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    pytest.fail(f"no training process on {node.addr} stopped in {timeout}s")
+
+
+def _lose(node: Node) -> None:
+    """Kill ``node`` (every process on it, as a host failing) once its ranks stopped at the pause."""
+    _stopped_worker(node)
+    assert node.kill(), "the node had processes"
 
 
 @pytest.mark.parametrize("nnodes,nproc", A)
 def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
-    ref = mn_reference(nnodes, nproc, LONG)
+    ref = mn_reference(nnodes, nproc, STEPS)
     with Cluster(nnodes) as c:
-        job = Job(c, nproc, LONG, train=["--step-sleep", "0.05"])
-        job.start_all()
-        job.wait_for_output("agent0", "step   10")
         lost = c.nodes[-1]
-        assert lost.kill(), "the node had processes"
+        job = Job(c, nproc, STEPS, timeout_s=PAUSED)
+        job.start_all(env_of=_stop_on(job, lost))
+        _lose(lost)
         time.sleep(3)
         new = c.add_node()
         job.start(new, name="replacement")
@@ -256,20 +291,18 @@ def test_node_lost_and_replaced(nnodes, nproc, mn_reference):
 @pytest.mark.parametrize("nnodes,nproc", B)
 def test_node_lost_with_hot_spare(nnodes, nproc, mn_reference):
     """A spare agent waits from the start; its arrival restarts nothing."""
-    steps = 160
-    ref = mn_reference(nnodes, nproc, steps)
+    ref = mn_reference(nnodes, nproc, STEPS)
     with Cluster(nnodes) as c:
-        job = Job(c, nproc, steps, train=["--step-sleep", "0.05"])
-        job.start_all()
+        lost = c.nodes[nnodes - 1]
+        job = Job(c, nproc, STEPS, timeout_s=PAUSED)
+        job.start_all(env_of=_stop_on(job, lost))
         # the job's round is complete (else the spare could take a node's place in it)
         job.wait_for_output("agent0", "step    0")
         spare = c.add_node()
         job.start(spare, name="spare")
         job.wait_spare()
-        assert "step  150" not in job.procs["agent0"].output(), "training too short for this test"
-        assert "restart" not in job.procs["agent0"].output()
-        lost = c.nodes[nnodes - 1]
-        lost.kill()
+        assert "restart" not in job.procs["agent0"].output(), job.logs()
+        _lose(lost)
         evs = job.assert_recovered(ref, killed=(f"agent{lost.index}",))
         rdzv = [e for e in evs if e["event"] == "rendezvous"]
         assert max(e["round"] for e in rdzv) == 1, "the spare's arrival alone caused no round"
@@ -401,21 +434,6 @@ def catching_reference(tmp_path_factory) -> Path:
     return out
 
 
-def _stopped_worker(node: Node, timeout: float = 120) -> None:
-    """Until a training process on ``node`` is stopped (its injected SIGSTOP)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in node.pids():
-            try:
-                p = psutil.Process(pid)
-                if p.status() == psutil.STATUS_STOPPED:  # only the rank stops itself (forked from a warm server)
-                    return
-            except psutil.Error:
-                continue
-        time.sleep(0.05)
-    pytest.fail(f"no training process on {node.addr} stopped in {timeout}s")
-
-
 @pytest.mark.parametrize("lost", ["rank", "node"])
 def test_catching_script_across_nodes(lost, catching_reference):
     """A script that catches every exception and exits 1 (``try: main() except
@@ -428,27 +446,29 @@ def test_catching_script_across_nodes(lost, catching_reference):
         out = c.dir / "final.pt"
         # a stopped rank is only the moment of the node's loss: the ceiling must not fire first
         job = Job(c, 1, 0, script=[str(CATCHING), "--out", str(out), "--epochs", "3"],
-                  timeout_s=5 if lost == "rank" else 60)
+                  timeout_s=5 if lost == "rank" else PAUSED)
         job.out = out
-        kind, phase = ("sigkill", "backward") if lost == "rank" else ("sigstop", "forward")
-        job.start_all(env={"JITCKPT_FAULT": f"rank=1,step=10,phase={phase},kind={kind}"})
         killed: tuple[str, ...] = ()
-        if lost == "node":
+        if lost == "rank":
+            job.start_all(env={"JITCKPT_FAULT": "rank=1,step=10,phase=backward,kind=sigkill"})
+        else:
+            job.start_all(env_of=_stop_on(job, c.nodes[1], step=10))
             spare = c.add_node()
             job.start(spare, name="spare")
             job.wait_spare()
-            _stopped_worker(c.nodes[1])
-            assert c.nodes[1].kill(), "node 1 had processes"
+            _lose(c.nodes[1])
             killed = ("agent1",)
         evs = job.assert_recovered(catching_reference, killed=killed)
         text = job.logs()
         assert "training failed" not in text and "Traceback" not in text, text  # no except ever ran
         first = next(e for e in evs if e["event"] == "restart")
         exits = {e["rank"]: e["exitcode"] for e in evs[:evs.index(first)] if e["event"] == "worker_exit"}
-        # rank 0 saved (75) before any except; rank 1 died of its SIGKILL (its node's timeline is gone with it)
-        assert exits == ({0: EXIT_SAVED, 1: -9} if lost == "rank" else {0: EXIT_SAVED}), (exits, text)
         saved = [(e["rank"], e["step"]) for e in evs if e["event"] == "checkpoint_saved"]
-        assert (0, 10) in saved, (saved, text)
+        if lost == "rank":  # rank 0 saved (75) before any except; rank 1 died of its SIGKILL
+            assert exits == {0: EXIT_SAVED, 1: -9}, (exits, text)
+            assert saved == [(0, 10)], (saved, text)
+        else:  # node 0's rank (the rendezvous chose which) saved; node 1's timeline went with its node
+            assert list(exits.values()) == [EXIT_SAVED] and saved == [(next(iter(exits)), 10)], (exits, saved, text)
         if lost == "node":
             assert any(e["event"] == "node_lost" for e in evs), text
             assert any(e["event"] == "loaded" for e in job.events("spare")), text
