@@ -156,8 +156,25 @@ def migratable_command(cmd: Sequence[str], output: str | os.PathLike | None = No
             str(output), *cmd]
 
 
+def _is_ns_init(pid: int) -> bool:
+    """Is ``pid`` PID 1 of a PID namespace below its parent's? (psutil does not
+    read ``NSpid``.) The wrapper may have other, short-lived children before it
+    forks the worker (a CUDA build of torch runs helpers while it is imported):
+    dumping one of those dumped a process that was gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    return len(ids) > 1 and ids[-1] == "1"
+    except OSError:
+        pass
+    return False
+
+
 def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
-    """Host PID of the process that ``unshare --fork`` (PID ``outer_pid``) started as PID 1."""
+    """Host PID of the process that the wrapper (PID ``outer_pid``) started as
+    PID 1 of its own PID namespace."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -169,8 +186,9 @@ def ns_init_pid(outer_pid: int, timeout: float = 10.0) -> int:
             done = True
         if done:
             raise CriuError(f"unshare (PID {outer_pid}) exited before its worker was seen")
-        if kids:
-            return kids[0].pid
+        init = next((k.pid for k in kids if _is_ns_init(k.pid)), None)
+        if init is not None:
+            return init
         if time.monotonic() > deadline:
             raise CriuError(f"unshare (PID {outer_pid}) started no worker within {timeout:g}s")
         time.sleep(0.01)
