@@ -158,9 +158,9 @@ def migratable_command(cmd: Sequence[str], output: str | os.PathLike | None = No
 
 def _is_ns_init(pid: int) -> bool:
     """Is ``pid`` PID 1 of a PID namespace below its parent's? (psutil does not
-    read ``NSpid``.) The wrapper may have other, short-lived children before it
-    forks the worker (a CUDA build of torch runs helpers while it is imported):
-    dumping one of those dumped a process that was gone."""
+    read ``NSpid``.) The wrapper is not always seen with one child only: with the
+    CUDA build of torch an earlier child was taken for the worker, and the dump
+    of that PID found it gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

@@ -371,9 +371,9 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
         victim.handler._stop_heartbeats()  # the node is gone: no more keep-alives, its ranks say nothing
         job.failed.set()
         readmitted = job.wait_for(lambda: len(job.at["restarted"]) == n, args.timeout)
-        why = (f"not every node restarted: {len(job.at['restarted'])}/{n} "
-               f"({len(job.at['decided'])} decided); {job.errors[:3]}")
-        if not readmitted and len(job.at["decided"]) < n - 1:
+        why = None if readmitted else (f"not every node restarted: {len(job.at['restarted'])}/{n} "
+                                       f"({len(job.at['decided'])} decided); {job.errors[:3]}")
+        if why and len(job.at["decided"]) < n - 1:
             raise RuntimeError(why)
     finally:
         job.stop.set()
@@ -384,7 +384,7 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
     restarted = round(max(job.at["restarted"].values()) - job.t_fail, 4) if readmitted else None
     return {"nodes": n, "ranks_per_node": args.ranks,
             "decision_s": round(decided - job.t_fail, 4), "restarted_s": restarted,
-            **({} if readmitted else {"readmission_failed": why}),
+            **({"readmission_failed": why} if why else {}),
             "keepalive_expiry_s": args.keepalive * args.keepalive_n,
             "to_decision": _delta(before, job.snap["decided"]),
             "to_restart": _delta(before, job.snap["restarted"] if readmitted else job.tally.snapshot()),

@@ -443,16 +443,18 @@ def test_catching_script_across_nodes(lost, catching_reference):
     saves where torch raises, before the script's ``except`` runs, and the job
     ends bit-identical to the failure-free run."""
     with Cluster(2) as c:
-        out = c.dir / "final.pt"
-        # a stopped rank is only the moment of the node's loss: the ceiling must not fire first
-        job = Job(c, 1, 0, script=[str(CATCHING), "--out", str(out), "--epochs", "3"],
+        # the script writes where Job.out is (the cluster's final.pt); a stopped rank is only the
+        # moment of the node's loss: the ceiling must not fire first
+        job = Job(c, 1, 0, script=[str(CATCHING), "--out", str(c.dir / "final.pt"), "--epochs", "3"],
                   timeout_s=5 if lost == "rank" else PAUSED)
-        job.out = out
         killed: tuple[str, ...] = ()
         if lost == "rank":
             job.start_all(env={"JITCKPT_FAULT": "rank=1,step=10,phase=backward,kind=sigkill"})
         else:
             job.start_all(env_of=_stop_on(job, c.nodes[1], step=10))
+            # node 1's rank stopped at step 10: the round is the two nodes' (a spare started
+            # before it formed could take node 1's place in it)
+            _stopped_worker(c.nodes[1])
             spare = c.add_node()
             job.start(spare, name="spare")
             job.wait_spare()
@@ -469,7 +471,6 @@ def test_catching_script_across_nodes(lost, catching_reference):
             assert saved == [(0, 10)], (saved, text)
         else:  # node 0's rank (the rendezvous chose which) saved; node 1's timeline went with its node
             assert list(exits.values()) == [EXIT_SAVED] and saved == [(next(iter(exits)), 10)], (exits, saved, text)
-        if lost == "node":
             assert any(e["event"] == "node_lost" for e in evs), text
             assert any(e["event"] == "loaded" for e in job.events("spare")), text
 
