@@ -9,12 +9,24 @@ per-call difference, in thread CPU time (wall time on a loaded 2-core machine
 mostly measures preemption and the stand-in worker thread's wake-ups). The
 replay log is armed and cleared every batch, as per-minibatch hooks would.
 
+Workers held (default): while a record or wait batch is timed, every
+stand-in stream worker waits inside a host function, so each call only
+appends to a queue, as a real runtime's record appends to a push buffer.
+``--live-workers`` times them against running workers instead: each append
+then also wakes idle workers (a futex wake, charged to the caller) and
+contends with them for the stand-in's one lock, and how often that happens
+depends on how the shim's path phases against the workers; that interplay,
+not the shim's own instructions, dominates the live figure (perf: two thirds
+of the samples in the kernel's wake-up path, ~1.5 % in the shim) and moves
+it by tens of ns from run to run.
+
 A/B: ``--baseline OTHER.so`` (another build of the shim, e.g. an older
 commit's) runs the same bench program under both libraries, alternating run
 by run (A B B A A B ...), so both see the same machine; the report gives each
 library's median added cost and the difference.
 
     python3 scripts/bench_intercept.py [--reps N] [--runs N] [--json] [--shim PATH] [--baseline PATH]
+                                       [--live-workers]
 """
 
 from __future__ import annotations
@@ -33,8 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET_NS = {"cudaEventRecord": 25.0, "cudaStreamWaitEvent": 25.0, "cudaEventQuery": 25.0}
 
 
-def _run(bench: str, shim: str, reps: int, env: dict[str, str]) -> dict[str, Any]:
-    out = subprocess.run([bench, str(reps)], env={**env, "LD_PRELOAD": shim}, capture_output=True, text=True,
+def _run(bench: str, shim: str, reps: int, workers: str, env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run([bench, str(reps), workers], env={**env, "LD_PRELOAD": shim}, capture_output=True, text=True,
                          check=True)
     res = json.loads(out.stdout)
     if not res["shim"]:
@@ -64,6 +76,8 @@ def main() -> int:
     ap.add_argument("--baseline", help="a second build of the shim, run interleaved with --shim (A/B)")
     ap.add_argument("--no-log", action="store_true", help="disable the replay log (JITCKPT_REPLAY_LOG=0)")
     ap.add_argument("--handles", default="none", help="JITCKPT_VIRTUAL_HANDLES for the run (none/all/...)")
+    ap.add_argument("--live-workers", action="store_true",
+                    help="time the calls against running stand-in workers (see above)")
     ap.add_argument("--json", action="store_true", help="print the raw JSON result")
     args = ap.parse_args()
 
@@ -79,16 +93,18 @@ def main() -> int:
         env["JITCKPT_REPLAY_LOG"] = "0"
     bench = str(REPO / "build" / "shim-tests" / "bench")
     libs = {"shim": args.shim} | ({"baseline": args.baseline} if args.baseline else {})
+    workers = "live" if args.live_workers else "held"
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in libs}
     for i in range(args.runs):
         order = list(libs) if i % 2 == 0 else list(reversed(libs))
         for k in order:
-            runs[k].append(_run(bench, libs[k], args.reps, env))
+            runs[k].append(_run(bench, libs[k], args.reps, workers, env))
     result: dict[str, Any] = {
         "reps": args.reps,
         "runs": args.runs,
         "replay_log": not args.no_log,
         "virtual_handles": args.handles,
+        "workers": workers,
     }
     for k in libs:
         result[k] = {"path": libs[k], **_summary(runs[k])}
@@ -98,7 +114,8 @@ def main() -> int:
         return 0
     log = "on" if result["replay_log"] else "off"
     print(f"shim overhead per call (stand-in runtime, {args.reps} x 5000 calls, {args.runs} runs per library"
-          f"{', interleaved A/B' if args.baseline else ''}, replay log {log}, virtual handles: {args.handles})")
+          f"{', interleaved A/B' if args.baseline else ''}, replay log {log}, virtual handles: {args.handles}, "
+          f"stand-in workers {workers})")
     for k in libs:
         print(f"\n{k}: {libs[k]}")
         print(f"{'call':24s} {'stand-in ns':>12s} {'added ns':>10s}  runs")

@@ -621,3 +621,21 @@ def test_multinode_medians_over_repetitions():
     rows = bm.median_table(runs).splitlines()
     assert len(rows) == 3 and "| jitrun | 2/3 |" in rows[2], rows
     assert bm.ratios(runs)["c"]["fail_to_resumed"]["jitrun_s"] == pytest.approx(base)
+
+
+def test_bench_intercept_holds_the_workers_unless_asked(tmp_path) -> None:
+    """The A/B path on one library against itself, held and live: held, a record
+    only appends to a queue (no worker wake-ups), so the stand-in's own record is
+    several times cheaper than live; the JSON says which mode ran."""
+    shim = ROOT / "build" / "libjitintercept.so"
+    out = {}
+    for mode in ("held", "live"):
+        cmd = [sys.executable, str(ROOT / "scripts" / "bench_intercept.py"), "--reps", "20", "--runs", "1",
+               "--baseline", str(shim), "--json"] + (["--live-workers"] if mode == "live" else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        out[mode] = json.loads(p.stdout)
+        assert out[mode]["workers"] == mode
+        for side in ("shim", "baseline"):
+            assert set(out[mode][side]["added_ns"]) == {"cudaEventRecord", "cudaEventQuery", "cudaStreamWaitEvent"}
+    assert out["held"]["shim"]["direct_ns"]["cudaEventRecord"] * 2 < out["live"]["shim"]["direct_ns"]["cudaEventRecord"]
