@@ -51,6 +51,10 @@ def _run(bench: str, shim: str, reps: int, workers: str, env: dict[str, str]) ->
     res = json.loads(out.stdout)
     if not res["shim"]:
         raise SystemExit(f"{shim} was not loaded (LD_PRELOAD): check the path")
+    held, batches = res["held_through"]
+    if workers == "held" and held != batches:
+        raise SystemExit(f"the stand-in's workers ran during {batches - held} of {batches} timed batches: "
+                         "the held figures would include them (a stand-in with more streams than the bench holds?)")
     return res
 
 
@@ -65,6 +69,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "direct_ns": {n: _median([r["direct_ns"][n] for r in runs]) for n in names},
         "added_ns": {n: _median([r["added_ns"][n] for r in runs]) for n in names},
         "added_ns_all_runs": {n: [r["added_ns"][n] for r in runs] for n in names},
+        # timed batches every stand-in worker sat out, of all timed batches
+        "held_through": [sum(r["held_through"][i] for r in runs) for i in (0, 1)],
     }
 
 

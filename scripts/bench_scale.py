@@ -26,6 +26,14 @@ each TCPStore client (calls and payload bytes: keys and values both ways).
 Threads share one interpreter: the simulation's own Python work (sealing,
 JSON, the rendezvous state's pickling) is serialized on one core, so the times
 are an upper bound of what N real agents, each with its own CPU, would take.
+For the same reason an agent that has the decision waits until every survivor
+has it before it joins the next rendezvous round (``--no-barrier``: it goes on
+at once, as a real agent does): on real nodes that join runs on the agent's own
+CPU, here it would take the interpreter from the agents still reading the
+decision (at 256 nodes the last of them read it ~4 s after it was published
+without the barrier). ``published_s`` is when the first survivor had the
+decision (the decider, or a reader right after its publish), ``decision_s``
+when the last survivor had read and verified it.
 
 Replica fetch (``--xfer-mib``): one replica of that size fetched by the
 function the restoring agent calls (``launcher.transfer.ensure_local``, answered
@@ -329,6 +337,8 @@ class SimNode:
             raise AssertionError(f"wrong decision: step {won.step}, lost {won.lost}")
         job.cpu["decided"].append(time.thread_time() - cpu0)
         job.mark("decided", self.node.node_id, job.n - 1)
+        if job.args.barrier and not job.wait_for(lambda: len(job.at["decided"]) == job.n - 1, job.args.timeout):
+            raise RuntimeError(f"not every survivor decided: {len(job.at['decided'])}/{job.n - 1}")
         info = self.handler.next_rendezvous()
         self.round, self.grank = rdzv.current_round(self.handler) or 0, info.rank
         coord.announce(self.round, self.grank)
@@ -383,7 +393,9 @@ def run_once(n: int, args: argparse.Namespace) -> dict:
     # every survivor decided but the next round did not form: the decision is still measured, and the row says why
     restarted = round(max(job.at["restarted"].values()) - job.t_fail, 4) if readmitted else None
     return {"nodes": n, "ranks_per_node": args.ranks,
+            "published_s": round(min(job.at["decided"].values()) - job.t_fail, 4),
             "decision_s": round(decided - job.t_fail, 4), "restarted_s": restarted,
+            "barrier": args.barrier,
             **({"readmission_failed": why} if why else {}),
             "keepalive_expiry_s": args.keepalive * args.keepalive_n,
             "to_decision": _delta(before, job.snap["decided"]),
@@ -476,7 +488,7 @@ def bench_transfer(mib: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'nodes':>6} {'decide s':>9} {'restart s':>10} {'msgs/fail':>10} {'bytes/fail':>11} "
+    head = (f"{'nodes':>6} {'publish s':>9} {'decide s':>9} {'restart s':>10} {'msgs/fail':>10} {'bytes/fail':>11} "
             f"{'decide msgs':>12} {'report msgs':>12} {'rdzv msgs':>10} {'rdzv bytes':>11} {'healthy msg/s':>14} "
             f"{'cpu s':>6} {'agent cpu':>9} {'load':>5}")
     lines = [head]
@@ -485,7 +497,8 @@ def table(rows: list[dict]) -> str:
         msgs, nbytes = sum(t[b]["msgs"] for b in BUCKETS), sum(t[b]["bytes"] for b in BUCKETS)
         hz = sum(v["msgs"] for v in r["healthy_per_s"].values())
         rs = "-" if r["restarted_s"] is None else f"{r['restarted_s']:.3f}"
-        lines.append(f"{r['nodes']:>6} {r['decision_s']:>9.3f} {rs:>10} {msgs:>10} {nbytes:>11} "
+        pub = r.get("published_s", float("nan"))
+        lines.append(f"{r['nodes']:>6} {pub:>9.3f} {r['decision_s']:>9.3f} {rs:>10} {msgs:>10} {nbytes:>11} "
                      f"{t['decide']['msgs']:>12} {t['reports']['msgs']:>12} {t['rdzv']['msgs']:>10} "
                      f"{t['rdzv']['bytes']:>11} {hz:>14} {t['cpu_s']:>6.2f} "
                      f"{r['agent_cpu_to_decision_s']['max']:>9.3f} {r['load_avg']:>5.1f}")
@@ -502,7 +515,8 @@ def plot(rows: list[dict], path: Path) -> str:
         return "no plot: matplotlib is not installed"
     ns = [r["nodes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(ns, [r["decision_s"] for r in rows], "o-", label="failure -> decision")
+    a.plot(ns, [r["decision_s"] for r in rows], "o-", label="failure -> every survivor has the decision")
+    a.plot(ns, [r.get("published_s", float("nan")) for r in rows], "v:", label="failure -> decision published")
     a.plot(ns, [float("nan") if r["restarted_s"] is None else r["restarted_s"] for r in rows], "s-",
            label="failure -> all nodes re-admitted")
     a.axhline(rows[0]["keepalive_expiry_s"], ls=":", c="grey", label="dead node's keep-alive expiry")
@@ -539,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="wait this long for every node's inventory (the agent's fixed grace) instead of "
                         "knowing the lost node from evidence")
     p.add_argument("--timeout", type=float, default=120.0, help="per phase, s")
+    p.add_argument("--no-barrier", dest="barrier", action="store_false",
+                   help="an agent joins the next round as soon as it has the decision (see above)")
     p.add_argument("--xfer-mib", type=int, default=1024, help="replica size for the transfer bench (0: skip)")
     p.add_argument("--out", default=str(ROOT / "bench_results" / "scale"), help="prefix of the .json and .png")
     args = p.parse_args(argv)

@@ -51,6 +51,7 @@ static sem_t g_release;
 static atomic_int g_inside;
 static int g_hold = 1;
 static host_fn g_launch;
+static int g_batches, g_held_through; /* timed batches; those every worker sat out */
 static cudaStream_t g_held[NHELD];
 
 static void gate_fn(void *arg) {
@@ -66,6 +67,8 @@ static void gate_close(void) {
   while (atomic_load(&g_inside) < NHELD) usleep(50);
 }
 static void gate_open(void) {
+  g_batches++;
+  if (atomic_load(&g_inside) == NHELD) g_held_through++;
   if (!g_hold) return;
   for (int i = 0; i < NHELD; i++) sem_post(&g_release);
   /* All out before the next close, or a late one would take its post. */
@@ -150,10 +153,11 @@ int main(int argc, char **argv) {
     br[r] = a, bq[r] = c, bw[r] = f;
     dr[r] = b - a, dq[r] = d - c, dw[r] = g - f;
   }
-  printf("{\"shim\": %s, \"workers\": \"%s\", \"reps\": %d, \"batch\": %d, \"direct_ns\": {\"cudaEventRecord\": %.1f, "
+  printf("{\"shim\": %s, \"workers\": \"%s\", \"held_through\": [%d, %d], \"reps\": %d, \"batch\": %d, \"direct_ns\": {\"cudaEventRecord\": %.1f, "
          "\"cudaEventQuery\": %.1f, \"cudaStreamWaitEvent\": %.1f}, \"added_ns\": {\"cudaEventRecord\": %.1f, "
          "\"cudaEventQuery\": %.1f, \"cudaStreamWaitEvent\": %.1f}}\n",
-         phys ? "true" : "false", g_hold ? "held" : "live", reps, BATCH, med(br, reps), med(bq, reps), med(bw, reps), med(dr, reps),
+         phys ? "true" : "false", g_hold ? "held" : "live", g_held_through, g_batches, reps, BATCH,
+         med(br, reps), med(bq, reps), med(bw, reps), med(dr, reps),
          med(dq, reps), med(dw, reps));
   return 0;
 }
