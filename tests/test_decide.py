@@ -390,3 +390,43 @@ def test_a_rank_stopped_here_after_another_nodes_ranks_finished_is_a_failure():
     finally:
         p.kill()
         p.wait()
+
+
+def test_an_agent_restarts_on_the_decision_it_read_not_an_older_newest_record(monkeypatch):
+    """The decider publishes the round's decision, then the job's newest-decision
+    record; an agent that read the round's decision can restart in between. It must
+    restore the step it read (seen in a two-node static job: one rank loaded the
+    previous failure's step 9 while the decision was 15, and the job stopped at the
+    loaded-state check)."""
+    from dataclasses import asdict
+
+    from jitrun.recovery.restore import Restorer
+
+    class Events:
+        def emit(self, ev, **f) -> None:
+            pass
+
+    store = dist.HashStore()
+    a, b = _coords(store, names=("a", "b"))
+    nodes = [{"node_id": n, "host": n, "addr": n} for n in ("a", "b")]
+    old = a.publish(decide.compute(1, [inv("a", (9, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
+                                   decided_by="a"))
+    new = a.publish(decide.compute(2, [inv("a", (15, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
+                                   decided_by="a"))
+    assert (old.step, new.step) == (9, 15) and b.latest() == new
+    a.auth.put(store, asdict(old), "decision")  # the window: the round's record is there, the newest not yet
+    for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP):
+        monkeypatch.delenv(var.name, raising=False)
+    fetched: list[tuple[int, str]] = []
+    r = Restorer(Namespace(), b.node, Events(), set())
+    r.coord = b
+    monkeypatch.setattr(r, "_fetch", lambda d, shard: fetched.append((d.step, shard)))
+    r.decision = b.decided(2)  # what ``agree`` gave this agent
+    r.prepare({1})
+    assert contract.RESTORE_STEP.get() == "15" and fetched == [(15, "0")] and r.decision == new
+    # an agent that took no part (a spare, a replacement) takes the newest record
+    r2 = Restorer(Namespace(), decide.NodeInfo("z", "z", "z"), Events(), set())
+    r2.coord = decide.Coordinator(store, "t", r2._node)
+    monkeypatch.setattr(r2, "_fetch", lambda d, shard: None)
+    r2.prepare({1})
+    assert contract.RESTORE_STEP.get() == "9" and r2.decision == old

@@ -105,6 +105,11 @@ class Restorer:
         if self.coord is None:
             return
         d = self.coord.latest()
+        # The decider writes the newest-decision record just after the round's own, and
+        # an agent that read the round's decision may restart in between: the record it
+        # finds then is the previous failure's, and its ranks would load that step.
+        if self.decision is not None and (d is None or d.round < self.decision.round):
+            d = self.decision
         if d is None:
             return
         self.decision = d
