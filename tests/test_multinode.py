@@ -246,15 +246,15 @@ def _stop_on(job: Job, node: Node, step: int = PAUSE) -> dict[int, dict]:
     return {node.index: {"JITCKPT_FAULT": specs}}
 
 
-def _stopped_worker(node: Node, timeout: float = 120) -> None:
-    """Until a training process on ``node`` is stopped (its injected SIGSTOP)."""
+def _stopped_worker(node: Node, timeout: float = 120) -> int:
+    """Until a training process on ``node`` is stopped (its injected SIGSTOP); its PID."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in node.pids():
             try:
                 p = psutil.Process(pid)
                 if p.status() == psutil.STATUS_STOPPED:  # only the rank stops itself (forked from a warm server)
-                    return
+                    return pid
             except psutil.Error:
                 continue
         time.sleep(0.05)
