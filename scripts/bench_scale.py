@@ -497,8 +497,8 @@ def table(rows: list[dict]) -> str:
         msgs, nbytes = sum(t[b]["msgs"] for b in BUCKETS), sum(t[b]["bytes"] for b in BUCKETS)
         hz = sum(v["msgs"] for v in r["healthy_per_s"].values())
         rs = "-" if r["restarted_s"] is None else f"{r['restarted_s']:.3f}"
-        pub = r.get("published_s", float("nan"))
-        lines.append(f"{r['nodes']:>6} {pub:>9.3f} {r['decision_s']:>9.3f} {rs:>10} {msgs:>10} {nbytes:>11} "
+        lines.append(f"{r['nodes']:>6} {r['published_s']:>9.3f} {r['decision_s']:>9.3f} {rs:>10} {msgs:>10} "
+                     f"{nbytes:>11} "
                      f"{t['decide']['msgs']:>12} {t['reports']['msgs']:>12} {t['rdzv']['msgs']:>10} "
                      f"{t['rdzv']['bytes']:>11} {hz:>14} {t['cpu_s']:>6.2f} "
                      f"{r['agent_cpu_to_decision_s']['max']:>9.3f} {r['load_avg']:>5.1f}")
@@ -516,7 +516,7 @@ def plot(rows: list[dict], path: Path) -> str:
     ns = [r["nodes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(ns, [r["decision_s"] for r in rows], "o-", label="failure -> every survivor has the decision")
-    a.plot(ns, [r.get("published_s", float("nan")) for r in rows], "v:", label="failure -> decision published")
+    a.plot(ns, [r["published_s"] for r in rows], "v:", label="failure -> decision published")
     a.plot(ns, [float("nan") if r["restarted_s"] is None else r["restarted_s"] for r in rows], "s-",
            label="failure -> all nodes re-admitted")
     a.axhline(rows[0]["keepalive_expiry_s"], ls=":", c="grey", label="dead node's keep-alive expiry")
