@@ -273,6 +273,17 @@ def run_config(name: str, kind: str, args, work: Path, F: int | None, fault_kind
     return analyse(d, res, log)
 
 
+def print_log_tail(path: Path, lines: int = 60) -> None:
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as e:
+        print(f"    (no output log: {e})", flush=True)
+        return
+    print(f"    last {len(tail)} lines of {path}:", flush=True)
+    for line in tail:
+        print(f"    | {line.partition(' ')[2]}", flush=True)
+
+
 def save_log(d: Path, res: Result, log: RunLog, run_args: dict) -> None:
     """What --reparse needs to analyse the run again."""
     (d / "output.log").write_text("".join(f"{t:.6f} {line}\n" for t, line in log.lines))
@@ -533,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
             r = run_config(*a, args=args, work=work, echo=args.verbose, **k)
             print(f"  ran {r.name:<12} wall {_f(r.wall_s, '{:.1f}')}s{'  ERROR ' + r.error if r.error else ''}",
                   flush=True)
+            if r.error:
+                # the run's directory is gone by the time a CI log is read: say here why it failed
+                print_log_tail(work / r.name / "output.log")
             return r
 
         if not args.reparse:

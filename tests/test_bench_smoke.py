@@ -308,7 +308,7 @@ def test_bench_recovery_end_to_end(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "bench_recovery.py"), "--steps", "20", "--step-sleep", "0.02",
          "--intervals", "8", "--repeats", "0", "--no-stop", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=170, cwd=tmp_path, env={**os.environ, "JITCKPT_FAULT": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     F = data["fault_step"]
     (run,) = data["runs"]
