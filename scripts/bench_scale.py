@@ -42,7 +42,10 @@ token-checked stream (``launcher.stream``), and through the store in 4 MiB
 chunks (the path when a source cannot reach the requester); both copies
 fsynced and checked against the replica's manifest.
 
-Usage: python scripts/bench_scale.py [--nodes 2,8,32,128,256] [--xfer-mib 1024]
+``--repeats R`` runs every node count R times (all runs in the JSON's ``rows``)
+and prints, and plots, the median (min-max) per node count.
+
+Usage: python scripts/bench_scale.py [--nodes 2,8,32,128,256] [--repeats 1] [--xfer-mib 1024]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import hashlib
 import json
 import os
 import secrets
+import statistics
 import sys
 import tempfile
 import threading
@@ -505,6 +509,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MEDIAN_KEYS = ("published_s", "decision_s", "restarted_s")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per node count: median, min and max of each time over its runs (a run whose spare
+    was not re-admitted has no restarted_s and counts in ``missing``)."""
+    out = []
+    for n in sorted({r["nodes"] for r in rows}):
+        runs = [r for r in rows if r["nodes"] == n]
+        m: dict = {"nodes": n, "runs": len(runs)}
+        for k in MEDIAN_KEYS:
+            vals = [r[k] for r in runs if r[k] is not None]
+            m[k] = ({"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+                    if vals else None)
+        out.append(m)
+    return out
+
+
+def medians_table(meds: list[dict]) -> str:
+    def cell(v: dict | None) -> str:
+        return "-" if v is None else f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}, n={v['n']})"
+
+    lines = [f"{'nodes':>6} {'runs':>4}  " + "  ".join(f"{k:<28}" for k in MEDIAN_KEYS)]
+    for m in meds:
+        lines.append(f"{m['nodes']:>6} {m['runs']:>4}  " + "  ".join(f"{cell(m[k]):<28}" for k in MEDIAN_KEYS))
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> str:
     try:
         import matplotlib
@@ -513,6 +545,8 @@ def plot(rows: list[dict], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no plot: matplotlib is not installed"
+    if len({r["nodes"] for r in rows}) < len(rows):  # repeats: one point per node count, its median run
+        rows = [_median_run([r for r in rows if r["nodes"] == n]) for n in sorted({r["nodes"] for r in rows})]
     ns = [r["nodes"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(ns, [r["decision_s"] for r in rows], "o-", label="failure -> every survivor has the decision")
@@ -533,10 +567,16 @@ def plot(rows: list[dict], path: Path) -> str:
     return f"plot: {path}"
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose decision_s is the median (the lower middle for an even count)."""
+    return sorted(runs, key=lambda r: r["decision_s"])[(len(runs) - 1) // 2]
+
+
 def _write(out: Path, args: argparse.Namespace, rows: list[dict], xfer: dict | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"args": vars(args), "rows": rows, "transfer": xfer}, indent=1))
+    tmp.write_text(json.dumps({"args": vars(args), "rows": rows, "medians": medians(rows), "transfer": xfer},
+                              indent=1))
     os.replace(tmp, out.with_suffix(".json"))
 
 
@@ -555,18 +595,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="per phase, s")
     p.add_argument("--no-barrier", dest="barrier", action="store_false",
                    help="an agent joins the next round as soon as it has the decision (see above)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per node count (medians printed)")
     p.add_argument("--xfer-mib", type=int, default=1024, help="replica size for the transfer bench (0: skip)")
     p.add_argument("--out", default=str(ROOT / "bench_results" / "scale"), help="prefix of the .json and .png")
     args = p.parse_args(argv)
     rows: list[dict] = []
     out = Path(args.out)
-    for n in (int(x) for x in args.nodes.split(",") if x):
+    if args.repeats < 1:
+        p.error("--repeats: at least 1")
+    for n in (int(x) for x in args.nodes.split(",") if x for _ in range(args.repeats)):
         if n < 2:
             p.error("--nodes: at least 2 nodes (one of them fails)")
         rows.append(run_once(n, args))
         print(table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
         _write(out, args, rows, None)  # each size as it is measured: a larger one may not finish
         plot(rows, out.with_suffix(".png"))
+    if args.repeats > 1 and rows:
+        print(f"medians of {args.repeats} runs, seconds from the failure (min-max):")
+        print(medians_table(medians(rows)), flush=True)
     xfer = bench_transfer(args.xfer_mib) if args.xfer_mib > 0 else None
     if xfer:
         st, so = xfer["stream"], xfer["store"]

@@ -569,6 +569,25 @@ def test_bench_scale_tiny(tmp_path):
     assert "replica fetch of 8 MiB" in proc.stdout
 
 
+def test_bench_scale_medians_per_node_count():
+    """--repeats: one median (min-max) per node count; a run whose spare was never
+    re-admitted has no restarted_s and is left out of that column's median only."""
+    import bench_scale as bs
+
+    def row(n: int, pub: float, dec: float, rst: float | None) -> dict:
+        return {"nodes": n, "published_s": pub, "decision_s": dec, "restarted_s": rst}
+
+    rows = [row(8, 0.1, 0.3, 2.0), row(8, 0.2, 0.5, None), row(8, 0.3, 0.4, 3.0),
+            row(256, 0.3, 0.9, 20.0), row(256, 0.4, 0.8, 25.0), row(256, 0.2, 1.2, 30.0)]
+    m8, m256 = bs.medians(rows)
+    assert (m8["nodes"], m8["runs"], m256["runs"]) == (8, 3, 3)
+    assert m8["decision_s"] == {"median": 0.4, "min": 0.3, "max": 0.5, "n": 3}
+    assert m8["restarted_s"] == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 2}
+    assert m256["decision_s"]["median"] == 0.9 and m256["published_s"]["median"] == 0.3
+    assert bs._median_run(rows[3:])["decision_s"] == 0.9
+    assert "0.900 (0.800-1.200, n=3)" in bs.medians_table([m8, m256])
+
+
 # -- bench_detection ----------------------------------------------------------------
 
 
