@@ -34,7 +34,10 @@ b  node 1 lost (every process in its namespace SIGKILLed: agent + worker)
    reports a spare parked in torch's redundancy list). The table's "failed
    in step" column shows where the kill came;
 c  node 1 lost the same way, and a replacement node started ``--replace-delay``
-   (3) s after the kill, with the same command;
+   (3) s after the kill, with the same command. Its "replacement start->resumed"
+   is compared with the cold-start floor, measured in the same session before
+   the runs: a fresh interpreter importing torch and what DDP's constructor
+   pulls in (torch._dynamo), which no launcher can skip on a cold node;
 d  jitrun only (torchrun has no erasure-coded snapshots; its d is skipped with
    a line saying so): tests/test_ec_e2e.py::test_three_nodes_one_node_lost_2_plus_1
    as a timed run, its world and flags: 3 nodes x 1 rank, ``--jit-ec-every 4``
@@ -125,9 +128,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -524,6 +529,37 @@ def write_json(path: Path, args: dict, refs: list[MNRun], runs: list[MNRun], tot
                                indent=1))
 
 
+# -- the cold-start floor ---------------------------------------------------------
+# What a replacement node cannot avoid before its first minibatch, whatever the launcher: a
+# fresh interpreter importing torch and what DDP pulls in (DDP's constructor imports
+# torch._dynamo). jitrun's warm-start server does exactly these imports (launcher/warm.py).
+FLOOR_CODE = "import torch, torch.distributed, torch.nn.parallel, torch._dynamo"
+
+
+def cold_start_floor(repeats: int = 3) -> dict:
+    """Wall seconds of FLOOR_CODE in a fresh interpreter, ``repeats`` times, in this session
+    (the machine as the runs find it), for the replacement column's comparison."""
+    walls = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", FLOOR_CODE], check=True, env={**os.environ, **BASE_ENV})
+        walls.append(time.monotonic() - t0)
+    return {"code": FLOOR_CODE, "median": statistics.median(walls), "min": min(walls), "max": max(walls),
+            "n": len(walls)}
+
+
+def floor_line(floor: dict, runs: list[MNRun]) -> str:
+    reps = sorted(x for r in runs if r.launcher == "jitrun" and (x := r.replacement_to_resumed_s()) is not None)
+    line = (f"cold-start floor: a fresh interpreter's `{floor['code']}` took {floor['median']:.2f} s "
+            f"(median of {floor['n']}, {floor['min']:.2f}-{floor['max']:.2f}) in this session")
+    if reps:
+        med = statistics.median(reps)
+        line += (f"; jitrun's replacement start -> resumed {med:.2f} s (median of {len(reps)}), "
+                 f"{med - floor['median']:.2f} s above that floor (its agent's own start, the rendezvous, "
+                 f"the replica fetch, the worker's init, load and first minibatch)")
+    return line
+
+
 # -- running (namespaces) -----------------------------------------------------------
 
 
@@ -695,6 +731,8 @@ def report(args, refs: list[MNRun], runs: list[MNRun], total: float | None) -> i
     extra = details(runs)
     if extra:
         print("\n" + extra)
+    if getattr(args, "cold_start_floor", None):
+        print("\n" + floor_line(args.cold_start_floor, runs))
     print(f"\nfault: a/jitrun the fault_injected event, a/torchrun the arrival of step {args.fault_step - 1}'s "
           f"line; b, c: the moment node 1 was killed; d: the first of node 2's kill and the ranks' "
           f"fault_injected. fail->resumed: fault -> the first step line after the "
@@ -783,6 +821,9 @@ def main(argv: list[str] | None = None) -> int:
             if ref.error or not (work / name / "final.pt").exists():
                 print(f"reference run failed: {ref.error}; logs in {work / name}", file=sys.stderr)
                 return 1
+        if {"c", "d"} & set(cases):  # the replacement cases: measured here, before the runs, with the machine as idle
+            args.cold_start_floor = cold_start_floor()
+            print(f"  cold-start floor {args.cold_start_floor['median']:.2f}s", flush=True)
         for k, (rep, case) in enumerate((rep, case) for rep in range(args.repeats) for case in cases):
             for launcher in (launchers if k % 2 else launchers[::-1]):  # torchrun first, then alternating
                 if case in EC_CASES and launcher == "torchrun":

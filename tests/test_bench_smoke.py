@@ -454,6 +454,14 @@ def test_multinode_table_ratios_and_json(tmp_path, capsys):
     assert [r["name"] for r in data["runs"]] == ["a-jitrun", "a-torchrun", "c-jitrun", "c-torchrun"]
     assert data["runs"][0]["redone_minibatches"] == 1 and data["runs"][3]["recovered"] is False
     assert data["ratios"]["a"]["fail_to_resumed"]["ratio"] == pytest.approx(rat["a"]["fail_to_resumed"]["ratio"])
+    # the replacement column against the cold-start floor measured in the same session
+    args.cold_start_floor = {"code": bm.FLOOR_CODE, "median": 1.5, "min": 1.4, "max": 1.7, "n": 3}
+    assert bm.report(args, [ref], runs, None) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cold-start floor"))
+    rep = jc.replacement_to_resumed_s()
+    assert "took 1.50 s (median of 3, 1.40-1.70)" in line and f"resumed {rep:.2f} s (median of 1)" in line, line
+    assert f"{rep - 1.5:.2f} s above that floor" in line, line
+    assert json.loads(out.read_text())["args"]["cold_start_floor"]["median"] == 1.5
     # a jitrun case that did not recover bit-identically fails the run
     jc.identical = False
     assert bm.report(args, [ref], runs, None) == 1
