@@ -28,8 +28,13 @@ SLEEP = ["--step-sleep", "0.3"]  # time for the step-8 version to commit before 
 
 
 def _kill_all(world: int, step: int = KILL_AT, ranks: range | None = None) -> dict:
-    spec = ";".join(f"rank={r},step={step},phase=forward,kind=sigkill" for r in (ranks or range(world)))
-    return {"JITCKPT_FAULT": spec}
+    """``ranks`` (default all) die at the forward of ``step``, and any rank of the job that is asked
+    for a JIT save first dies at it instead: on a busy host one rank can still be in the previous
+    minibatch's tail when another's death is seen, and would save that minibatch, so the premise
+    (nothing of ``step`` saved anywhere) would depend on timing."""
+    kill = [f"rank={r},step={step},phase=forward,kind=sigkill" for r in (ranks or range(world))]
+    at_save = [f"rank={r},phase=save,kind=sigkill" for r in range(world)]
+    return {"JITCKPT_FAULT": ";".join(kill + at_save)}
 
 
 def _check_ec_recovery(evs: list[dict], out: str) -> dict:
@@ -86,28 +91,13 @@ WHY = Cluster.unavailable()
 netns = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
-def _run_job(c: Cluster, fault_env: dict, nodes_to_lose: list[int], replace: bool = True) -> Job:
-    job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=5)
-    job.start_all(env=fault_env)
-    if nodes_to_lose:
-        # minibatch 10 finished on every rank (rank 0 logs it after its optimizer step); the survivors die at
-        # the forward of 11 (their fault), the lost nodes a moment before, memory and all
-        job.wait_for_output("agent0", "step   10", timeout=240)
-        for n in nodes_to_lose:
-            assert c.nodes[n].kill(), "the node had processes"
-        if replace:
-            time.sleep(4)  # the survivors' agents have taken the decision without the lost nodes
-            for n in nodes_to_lose:
-                job.start(c.add_node(), name=f"replacement{n}")
-    return job
-
-
 @netns
 @pytest.mark.slow
 def test_three_nodes_all_workers_killed(mn_reference):
     ref = mn_reference(3, 1, STEPS)
     with Cluster(3) as c:
-        job = _run_job(c, _kill_all(3), [])
+        job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=5)
+        job.start_all(env=_kill_all(3))
         codes = job.wait(timeout=300)
         assert all(v == 0 for v in codes.values()), (codes, job.logs())
         src = _check_ec_recovery(job.all_events(), job.logs())
@@ -118,10 +108,13 @@ def test_three_nodes_all_workers_killed(mn_reference):
 @netns
 @pytest.mark.slow
 def test_three_nodes_one_node_lost_2_plus_1(mn_reference):
-    """Every worker killed and one whole node gone with its /dev/shm: 2 of 3 chunks per stripe survive."""
+    """Every worker killed and one whole node gone with its /dev/shm: 2 of 3 chunks per stripe survive.
+    The ranks stop themselves at the forward of 11 and the test loses node 2 before it kills the other
+    two (``_stop_all_then_kill``): killing node 2 when rank 0 logged step 10 raced with ranks 0 and 1
+    dying at 11 on their own, and on a busy host node 2's agent was still there to decide with them."""
     ref = mn_reference(3, 1, STEPS)
     with Cluster(3) as c:
-        job = _run_job(c, _kill_all(3, ranks=range(2)), [2])
+        job = _stop_all_then_kill(c, lose=[2])
         codes = job.wait(timeout=300, killed=("agent2",))
         assert all(v == 0 for v in codes.values()), (codes, job.logs())
         evs = job.all_events()
@@ -130,6 +123,29 @@ def test_three_nodes_one_node_lost_2_plus_1(mn_reference):
         dec = [e for e in evs if e["event"] == "restore_decision"]
         assert dec and dec[0]["lost"], dec
         assert_same_state(ref, Path(job.out))
+
+
+def _stop_all_then_kill(c: Cluster, lose: list[int]) -> Job:
+    """Three nodes, every rank stops itself (SIGSTOP) at the forward of KILL_AT; once all are
+    stopped, the nodes in ``lose`` are killed whole, then the other nodes' stopped ranks (by PID),
+    and after 4 s (the survivors' agents decide without the lost nodes) a replacement starts for
+    each lost node. Nothing of KILL_AT is saved anywhere however slow the host. The stopped ranks
+    hold the job past a learned hang bound, hence the fixed timeout."""
+    stop = ";".join(f"rank={r},step={KILL_AT},phase=forward,kind=sigstop" for r in range(3))
+    job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=test_multinode.PAUSED)
+    job.start_all(env={"JITCKPT_FAULT": stop})
+    stopped = {0: test_multinode._stopped_worker(c.nodes[0], timeout=240)}
+    for n in (1, 2):
+        stopped[n] = test_multinode._stopped_worker(c.nodes[n], timeout=60)
+    for n in lose:
+        assert c.nodes[n].kill(), "the node had processes"
+    for n, pid in stopped.items():
+        if n not in lose:
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(4)
+    for n in lose:
+        job.start(c.add_node(), name=f"replacement{n}")
+    return job
 
 
 @netns
@@ -144,19 +160,8 @@ def test_three_nodes_two_nodes_lost_falls_back(mn_reference):
     host rank 0 died first, the others saved step 11 and the job chose that replica, on nodes about to
     go.) The stopped ranks hold the job past a learned hang bound, hence the fixed timeout."""
     ref = mn_reference(3, 1, STEPS)
-    stop = ";".join(f"rank={r},step={KILL_AT},phase=forward,kind=sigstop" for r in range(3))
     with Cluster(3) as c:
-        job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=test_multinode.PAUSED)
-        job.start_all(env={"JITCKPT_FAULT": stop})
-        rank_here = test_multinode._stopped_worker(c.nodes[0], timeout=240)
-        for n in (1, 2):
-            test_multinode._stopped_worker(c.nodes[n], timeout=60)
-        for n in (1, 2):
-            assert c.nodes[n].kill(), "the node had processes"
-        os.kill(rank_here, signal.SIGKILL)
-        time.sleep(4)  # the survivor's agent has taken the decision without the lost nodes
-        for n in (1, 2):
-            job.start(c.add_node(), name=f"replacement{n}")
+        job = _stop_all_then_kill(c, lose=[1, 2])
         codes = job.wait(timeout=400, killed=("agent1", "agent2"))
         assert all(v == 0 for v in codes.values()), (codes, job.logs())
         evs = job.all_events()
