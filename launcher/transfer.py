@@ -92,9 +92,39 @@ def own_connection(store, timeout_s: float = 60.0):
     import torch.distributed as dist
 
     if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return connect_store(store.host, store.port, timeout_s)
     return store
+
+
+def connect_store(host: str, port: int, timeout_s: float):
+    """A client of the TCPStore at ``host:port``; a connection that is never
+    answered raises with who listens on that port here (``port_facts``)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except dist.DistNetworkError as e:
+        raise dist.DistNetworkError(f"{e} [{port_facts(port)}]") from e
+
+
+def port_facts(port: int) -> str:
+    """Who listens on local TCP ``port`` and how many connections it has, for an
+    error that says why a connection to our own store went unanswered."""
+    import psutil
+
+    try:
+        conns = [c for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+    except (psutil.Error, OSError) as e:
+        return f"port {port}: no socket facts ({e})"
+    listening = sorted({(c.pid, f"{c.laddr.ip}") for c in conns if c.status == psutil.CONN_LISTEN},
+                       key=lambda x: (x[0] or 0, x[1]))
+    states: dict[str, int] = {}
+    for c in conns:
+        if c.status != psutil.CONN_LISTEN:
+            states[c.status] = states.get(c.status, 0) + 1
+    who = ", ".join(f"pid {pid} on {ip}" for pid, ip in listening) or "nobody"
+    return f"port {port}: listening {who}; its other sockets by state {states or 'none'}; this process {os.getpid()}"
 
 
 class ReplicaServer:

@@ -107,3 +107,23 @@ def test_unreachable_receiver_is_a_transfer_error(tmp_path):
     (tmp_path / "f").write_bytes(b"z")
     with pytest.raises(transfer.TransferError, match="streaming to 127.0.0.1"):
         stream.send_stream("127.0.0.1", port, TOKEN, "tid-3", [("img/f", tmp_path / "f")], timeout_s=5.0)
+
+
+
+
+def test_port_facts_name_who_listens():
+    """What a store connection that timed out adds to its error (transfer.connect_store):
+    who listens on the port and its other sockets, so a job that ends on it explains itself."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(1)
+    peer = socket.create_connection(mute.getsockname())  # completed by the kernel, never accepted
+    try:
+        port = mute.getsockname()[1]
+        facts = transfer.port_facts(port)
+        assert f"port {port}: listening pid {os.getpid()} on 127.0.0.1" in facts, facts
+        assert "ESTABLISHED" in facts and f"this process {os.getpid()}" in facts, facts
+    finally:
+        peer.close()
+        mute.close()
+    assert "listening nobody" in transfer.port_facts(port)
