@@ -367,6 +367,7 @@ def run(args) -> int:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
     _previous_run(root, job_id, args.jit_resume)
+    _share_rdzv_store()
     timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
     _tell_workers(args, root, job_id, timeout, fixed)
     intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
@@ -467,6 +468,20 @@ def _torchrun_defaults(args) -> None:
 
 def _prepend_pythonpath(path: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+
+
+def _share_rdzv_store() -> None:
+    """jitrun's agents coordinate through the store the rendezvous shares with the
+    workers, served by the agent. torch's opt-out of that sharing
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) moves the workers' store into worker
+    rank 0, which a failure takes down with it, and leaves the agent connecting to
+    a store nobody serves yet: the job would end on a store timeout. Dropped here,
+    before the warm-start server copies the environment, and said."""
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+        print("jitrun: ignoring TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: jitrun's agents coordinate through the "
+              "rendezvous store they share with the workers (unset it to silence this line)", file=sys.stderr,
+              flush=True)
 
 
 def _warm_start(args, intercept: bool) -> bool:

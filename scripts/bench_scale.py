@@ -66,7 +66,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # no per-round TCPStore server for the (simulated) workers: each would be a listening port per node
-os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend  # noqa: E402
@@ -599,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--xfer-mib", type=int, default=1024, help="replica size for the transfer bench (0: skip)")
     p.add_argument("--out", default=str(ROOT / "bench_results" / "scale"), help="prefix of the .json and .png")
     args = p.parse_args(argv)
+    # set here, not at import: a process that imports this module (the test of its tables)
+    # would hand it to every jitrun it starts, and jitrun's agent does not work under it
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     rows: list[dict] = []
     out = Path(args.out)
     if args.repeats < 1:

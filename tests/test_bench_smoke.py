@@ -582,6 +582,10 @@ def test_bench_scale_medians_per_node_count():
     re-admitted has no restarted_s and is left out of that column's median only."""
     import bench_scale as bs
 
+    # importing it changes nothing this process hands its children (it once set torch's
+    # store-sharing opt-out, and every jitrun this test worker started later failed)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+
     def row(n: int, pub: float, dec: float, rst: float | None) -> dict:
         return {"nodes": n, "published_s": pub, "decision_s": dec, "restarted_s": rst}
 

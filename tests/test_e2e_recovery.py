@@ -122,3 +122,14 @@ def test_corrupted_replica_is_never_loaded(tmp_path, reference):
     assert f"resumed from {shard / 'rank-1'}" in job.output
     assert f"resumed from {shard / 'rank-0'}" not in job.output
     assert_same_state(reference(3, STEPS), job.out)
+
+
+@pytest.mark.slow
+def test_torchs_store_sharing_opt_out_is_ignored_and_said(tmp_path, reference):
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's opt-out: worker rank 0 serves the
+    workers' store) left jitrun's agent waiting on a store nobody served, and the job
+    ended on a store timeout; jitrun now drops it, says so, and recovers as usual."""
+    job = jitrun(tmp_path, nproc=2, steps=STEPS, fault=f"rank=1,step={FAULT_STEP},phase=backward,kind=sigkill",
+                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert "jitrun: ignoring TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in job.output, job.output[-3000:]
+    _check_recovered(job, reference, 2, 1, "sigkill", "backward")
