@@ -549,7 +549,7 @@ def cold_start_floor(repeats: int = 3) -> dict:
 
 
 def floor_line(floor: dict, runs: list[MNRun]) -> str:
-    reps = sorted(x for r in runs if r.launcher == "jitrun" and (x := r.replacement_to_resumed_s()) is not None)
+    reps = [x for r in runs if r.launcher == "jitrun" and (x := r.replacement_to_resumed_s()) is not None]
     line = (f"cold-start floor: a fresh interpreter's `{floor['code']}` took {floor['median']:.2f} s "
             f"(median of {floor['n']}, {floor['min']:.2f}-{floor['max']:.2f}) in this session")
     if reps:

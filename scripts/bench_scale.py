@@ -513,7 +513,7 @@ MEDIAN_KEYS = ("published_s", "decision_s", "restarted_s")
 
 def medians(rows: list[dict]) -> list[dict]:
     """Per node count: median, min and max of each time over its runs (a run whose spare
-    was not re-admitted has no restarted_s and counts in ``missing``)."""
+    was not re-admitted has no restarted_s: that column's ``n`` is smaller)."""
     out = []
     for n in sorted({r["nodes"] for r in rows}):
         runs = [r for r in rows if r["nodes"] == n]

@@ -72,7 +72,7 @@ def references(tmp_path_factory):
     return get
 
 
-def run_caught(tmp: Path, catcher: str, kind: str, where: str) -> Job:
+def run_caught(tmp: Path, catcher: str, kind: str, where: str, env: dict | None = None) -> Job:
     script, args, _ = CATCHERS[catcher]
     jit, out = tmp / "jit", tmp / "final.pt"
     assert JITRUN.exists(), f"{JITRUN} not installed: pip install -e . in this environment"
@@ -80,7 +80,7 @@ def run_caught(tmp: Path, catcher: str, kind: str, where: str) -> Job:
            "--nproc-per-node", "2", "--max-restarts", "3", "--jit-timeout", "3", "--jit-dir", str(jit),
            str(HERE / script), *args(tmp, out)]
     fault = f"rank=1,step={STEP},phase={WHERE[where]},kind={kind}"
-    cp = run_tree(cmd, env={"JITCKPT_FAULT": fault}, timeout=300, cwd=tmp)
+    cp = run_tree(cmd, env={"JITCKPT_FAULT": fault, **(env or {})}, timeout=300, cwd=tmp)
     return Job(cp.returncode, cp.stdout, jit, out)
 
 
@@ -122,3 +122,12 @@ def test_stopped_peer_between_minibatches(tmp_path, references, catcher):
 def test_failed_peer(tmp_path, references, catcher, kind, where):
     _skip_missing(catcher)
     check_caught(run_caught(tmp_path, catcher, kind, where), catcher, kind, references(catcher))
+
+
+@pytest.mark.slow
+def test_store_sharing_opt_out_under_a_catching_script(tmp_path, references):
+    """torch's store-sharing opt-out set in the environment (jitrun drops it and says so)
+    with a script that catches the failure itself and exits 1."""
+    job = run_caught(tmp_path, "try_exit", "sigkill", "between", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert "jitrun: ignoring TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in job.output, job.output[-3000:]
+    check_caught(job, "try_exit", "sigkill", references("try_exit"))

@@ -126,17 +126,17 @@ def test_three_nodes_one_node_lost_2_plus_1(mn_reference):
 
 
 def _stop_all_then_kill(c: Cluster, lose: list[int]) -> Job:
-    """Three nodes, every rank stops itself (SIGSTOP) at the forward of KILL_AT; once all are
+    """Every rank (one per node) stops itself (SIGSTOP) at the forward of KILL_AT; once all are
     stopped, the nodes in ``lose`` are killed whole, then the other nodes' stopped ranks (by PID),
     and after 4 s (the survivors' agents decide without the lost nodes) a replacement starts for
     each lost node. Nothing of KILL_AT is saved anywhere however slow the host. The stopped ranks
     hold the job past a learned hang bound, hence the fixed timeout."""
-    stop = ";".join(f"rank={r},step={KILL_AT},phase=forward,kind=sigstop" for r in range(3))
+    world = len(c.nodes)
+    stop = ";".join(f"rank={r},step={KILL_AT},phase=forward,kind=sigstop" for r in range(world))
     job = Job(c, 1, STEPS, train=SLEEP, extra=["--jit-ec-every", str(EVERY)], timeout_s=test_multinode.PAUSED)
     job.start_all(env={"JITCKPT_FAULT": stop})
-    stopped = {0: test_multinode._stopped_worker(c.nodes[0], timeout=240)}
-    for n in (1, 2):
-        stopped[n] = test_multinode._stopped_worker(c.nodes[n], timeout=60)
+    # node 0's rank first, through the whole run up to KILL_AT; the others are there moments later
+    stopped = {n: test_multinode._stopped_worker(c.nodes[n], timeout=240 if n == 0 else 60) for n in range(world)}
     for n in lose:
         assert c.nodes[n].kill(), "the node had processes"
     for n, pid in stopped.items():

@@ -109,8 +109,6 @@ def test_unreachable_receiver_is_a_transfer_error(tmp_path):
         stream.send_stream("127.0.0.1", port, TOKEN, "tid-3", [("img/f", tmp_path / "f")], timeout_s=5.0)
 
 
-
-
 def test_port_facts_name_who_listens():
     """What a store connection that timed out adds to its error (transfer.connect_store):
     who listens on the port and its other sockets, so a job that ends on it explains itself."""
@@ -127,3 +125,8 @@ def test_port_facts_name_who_listens():
         peer.close()
         mute.close()
     assert "listening nobody" in transfer.port_facts(port)
+    # and what a store connection that timed out raises (nobody listens there any more)
+    import torch.distributed as dist
+
+    with pytest.raises(dist.DistNetworkError, match=f"port {port}: listening nobody"):
+        transfer.connect_store("127.0.0.1", port, timeout_s=1.0)
