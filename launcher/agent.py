@@ -253,6 +253,9 @@ class JitAgent(LocalElasticAgent):
                 events=self._events).run()
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
+        elif f.no_space is not None and not f.saved:
+            # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
+            self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))
         else:
             finished, static_lost = self._restorer.choose(
                 f, round_=self._round, group_world_size=wg.group_world_size, shards=self._book.shards,
