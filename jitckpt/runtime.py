@@ -573,10 +573,9 @@ class Runtime:
 
     @staticmethod
     def _on_signal(signum, frame) -> None:
-        # Deliberately empty. It only replaces the default action (terminate);
-        # the watcher thread acts on the wakeup byte. Doing the work here would
-        # run in the main thread between two bytecodes, possibly while that
-        # thread holds _lock (not reentrant): a self-deadlock.
+        # Deliberately empty. It only replaces the default action (terminate); the watcher thread acts on
+        # the wakeup byte. Doing the work here would run in the main thread between two bytecodes,
+        # possibly while that thread holds _lock (not reentrant): a self-deadlock.
         pass
 
     def _watch(self, fd: int) -> None:

@@ -60,8 +60,8 @@ def claim(root: Path, job_id: str, ident: str, command: list[str], *, one_node: 
     except (layout.CheckpointDirError, joblock.JobBusy) as e:
         raise DirRefused(str(e)) from None
     except OSError as e:
-        raise DirRefused(f"jit dir {str(root)!r}: cannot take its lock ({e.strerror or e}); pass --jit-dir on a "
-                         "disk this user can write") from None
+        raise DirRefused(f"jit dir {str(root)!r}: cannot take its lock ({e.strerror or e}); free space there or "
+                         "pass --jit-dir on a disk this user can write") from None
     try:
         layout.claim_root(root, job_id, ident, command)
     except (layout.CheckpointDirError, OSError) as e:

@@ -172,7 +172,8 @@ def _leftovers(root: Path, job_id: str) -> None:
         raise JobBusy(f"workers of an earlier run of job {job_id!r} on jit dir {str(root)!r} are still running "
                       f"though their jitrun is gone: PIDs {pids} on host {_host()}; stop them "
                       f"(kill {' '.join(map(str, orphans))}) and run again")
-    dead = [rec for _, rec in _records(root)] or _unended(root)
+    # a jitrun that kept no records (an older one) left an unended job_start at most
+    dead = [rec for _, rec in _records(root)] or ([] if (root / AGENTS_DIR).exists() else _unended(root))
     if not dead:
         return
     from .ec_clean import stale_temp_files
