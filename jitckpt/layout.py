@@ -332,6 +332,15 @@ def read_job_id(root: Path) -> str | None:
 # --- writing -----------------------------------------------------------------
 
 
+def remove_staging(root: Path, pids: dict[int, int]) -> None:
+    """Remove the staging dirs of ranks -> PIDs whose process is gone (its save died with it)."""
+    for rank, pid in pids.items():
+        if _alive(pid):
+            continue
+        for d in (root / "ckpt").glob(f"step-*/shard-*/.tmp-rank-{int(rank)}-{int(pid)}"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def staging_dir(root: Path, step: int, shard: str, rank: int) -> Path:
     final = replica_dir(root, step, shard, rank)
     makedirs_private(final.parent)

@@ -57,10 +57,11 @@ commands:
 
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
-and the timeline events.jsonl. Re-running the same command (or with the same
---rdzv-id) resumes from it, unless that run finished (exit 0): then the job
-starts fresh and says so (--jit-resume continues instead); another job pointed
-at it is refused. Workers get
+and the timeline events.jsonl. Re-running the same command (the same
+--rdzv-id, script and arguments) resumes from it, unless that run finished
+(exit 0): then the job starts fresh and says so (--jit-resume continues
+instead); another job pointed at it is refused, and so is a second jitrun of
+the job while it runs (one job per jit dir: <jit dir>/jitrun.lock). Workers get
 JITCKPT_DIR, JITCKPT_JOB_ID, JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a
 failure, JITCKPT_RESTORE_STEP in their environment."""
 

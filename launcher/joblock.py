@@ -129,17 +129,15 @@ def acquire(root: Path, job_id: str, identity: str, *, exclusive: bool) -> JobLo
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
         except BlockingIOError:
-            if exclusive:
-                raise JobBusy(_busy_line(root, job_id)) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if exclusive or not _shared(fd):
                 raise JobBusy(_busy_line(root, job_id)) from None
             alone = False
         if alone:
             _leftovers(root, job_id)
-            if not exclusive:  # let the job's other nodes in (not atomic: a one-node job may win; it is refused)
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            # let the job's other nodes in: not atomic, another node's agent may hold it alone for a moment,
+            # and a one-node job that wins it meanwhile keeps it (this agent is refused)
+            if not exclusive and not _shared(fd):
+                raise JobBusy(_busy_line(root, job_id))
         else:
             for p, rec in _records(root):  # dead agents of this host that shared the lock
                 if rec.get("host") == _host() and not _alive_as(rec.get("pid"), rec.get("started_proc")):
@@ -149,6 +147,22 @@ def acquire(root: Path, job_id: str, identity: str, *, exclusive: bool) -> JobLo
         os.close(fd)
         raise
     return JobLock(fd, record)
+
+
+SHARE_WAIT_S = 5.0  # another node's agent holds the lock alone while it looks at leftovers, briefly
+
+
+def _shared(fd: int) -> bool:
+    """The shared lock, waiting out another agent's brief exclusive hold."""
+    deadline = time.monotonic() + SHARE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _write_record(root: Path, job_id: str, identity: str) -> Path:
