@@ -123,6 +123,7 @@ def _one(out: str, needle: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_full_jit_dir_at_the_save_stops_cleanly_and_the_last_checkpoint_restores(tmp_path, tmpfs, reference):
     fs = tmpfs("8M")
     hook = tmp_path / "fill.py"

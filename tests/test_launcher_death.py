@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import TRAIN, assert_same_state, run_tree
 
 from jitckpt.config import EXIT_NOT_SAVED, EXIT_SAVED
@@ -61,6 +62,7 @@ def _reap(pids: list[int], until: float) -> dict[int, int]:
     return codes
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_launcher_ends_the_job_and_a_relaunch_resumes(tmp_path, reference, subreaper):
     log = tmp_path / "run1.log"
     with open(log, "w") as out:

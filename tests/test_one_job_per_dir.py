@@ -47,6 +47,7 @@ def _refused(cp: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_second_job_with_the_same_rdzv_id_is_refused_and_the_first_stays_exact(tmp_path, reference):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "a.log"
