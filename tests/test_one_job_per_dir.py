@@ -23,6 +23,7 @@ from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
 from jitrun import jobdir, joblock
 
 from jitckpt import layout
+from jitckpt.config import EXIT_SAVED
 
 STEPS = 16
 FAULT_STEP = 8
@@ -76,6 +77,8 @@ def test_a_second_job_with_the_same_rdzv_id_is_refused_and_the_first_stays_exact
     assert code == 0, out_a[-5000:]
     evs = [json.loads(ln) for ln in (tmp_path / "jit" / "events.jsonl").read_text().splitlines()]
     assert [e["pid"] for e in evs if e["event"] == "job_start"] == [a.pid], "job B wrote to job A's timeline"
+    # the failure's exits (the fault's SIGKILL, the peer's save); the restarted ranks ended 0 (A's exit 0)
+    assert {e["rank"]: e["exitcode"] for e in evs if e["event"] == "worker_exit"} == {1: -9, 0: EXIT_SAVED}, evs
     rec = [e for e in evs if e["event"] == "recovery"]
     assert len(rec) == 1 and rec[0]["restore_step"] == FAULT_STEP and rec[0]["redone_minibatches"] <= 1, rec
     assert_verified_fingerprint(rec[0])
