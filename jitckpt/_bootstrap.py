@@ -119,8 +119,9 @@ def attach() -> None:
     script. The end of the process is the interpreter's, and no "finished"
     report is sent: an atexit handler cannot tell a clean end from
     ``sys.exit(1)``; the agent learns it from the exit code instead."""
-    from . import api
+    from . import api, parent_death
 
+    parent_death.bind_worker()
     api.install()
     _set_title(sys.argv if sys.argv and sys.argv[0] else ["python"])
     _keep_groups()
@@ -128,8 +129,10 @@ def attach() -> None:
 
 
 def main() -> NoReturn:
-    from . import api
+    from . import api, parent_death
 
+    if not sys.modules.get("jitckpt._server_bind"):  # a fork of the warm server was bound in worker_main
+        parent_death.bind_worker()
     rt = api.install()
     argv = sys.argv[1:]
     if not argv:

@@ -53,7 +53,7 @@ from enum import Enum
 
 from . import buffers as _buffers
 from . import config as _config
-from . import contract, layout
+from . import contract, layout, parent_death, save_space
 from . import faults as _faults
 from .collective_errors import find_collective_error
 
@@ -126,9 +126,9 @@ class Runtime:
         self.reporter = for_worker(self.cfg)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
         if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
-            from .collective_waits import Waits
+            from .collective_waits import open_waits
 
-            self.waits = Waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
+            self.waits = open_waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
                     proc_start_t=process_start_time())
         if contract.MIGRATABLE.get():
@@ -137,7 +137,7 @@ class Runtime:
             self._migration = Watch(self.reporter._store, self.cfg.token)
 
     def report(self, event: str, **fields) -> None:
-        if self.reporter is None:
+        if self.reporter is None or parent_death.agent_gone():  # its agent served the store and read it
             return
         fields.setdefault("attempt", self.cfg.attempt)  # the agent keeps per-round facts per attempt
         try:
@@ -486,6 +486,10 @@ class Runtime:
             else:
                 self._jit_save("post-step" if phase is Phase.POST else "minibatch-start")
                 code = _config.EXIT_SAVED
+        except save_space.NoSpace as e:  # one line: what, where, how much, the fix (before the agent ends us)
+            e.release()
+            print(f"[jitckpt] rank {self.cfg.rank}: {e}", file=sys.stderr, flush=True)
+            self.report("checkpoint_failed", step=self.steps_done, error=str(e), no_space=e.fields())
         except BaseException as e:  # report, then exit; the launcher uses another replica
             self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
@@ -502,26 +506,25 @@ class Runtime:
         self.report("save_started", step=step, shard=self.shard)
         old_umask = os.umask(0o077)
         try:
-            tmp = layout.staging_dir(cfg.root, step, self.shard, cfg.rank)
-            # the model as it was at the minibatch start: buffers a forward wrote are put back
-            held = _buffers.rewind_all(step, cfg.rank) if point == "minibatch-start" else {"buffers": "live"}
-            self.step_read = False
-            self.save_fn(str(tmp))
-            self.injector.maybe_fire("save", step)
-            extra: dict = {"progress_step": step, "point": point, **held}
-            if point == "post-step" and not self.step_read:
-                # After an optimizer step, at a collective that no minibatch
-                # start followed: the user's own step counter may still name
-                # the minibatch just done (a barrier after the loop). Restoring
-                # it would redo that minibatch on updated weights.
-                extra["step_unverified"] = True
-                print(f"[jitckpt] rank {cfg.rank}: WARNING: JIT save at a collective after optimizer step "
-                      f"{step} with no minibatch start in between; save_fn did not call "
-                      "jitckpt.checkpoint_step(), so this checkpoint's step label cannot be trusted and it "
-                      "will not be restored. Record jitckpt.checkpoint_step() as your step in save_fn.",
-                      file=sys.stderr, flush=True)
-            path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
-                                  world_size=cfg.world_size, job_id=cfg.job_id, extra=extra)
+            with save_space.staged(cfg.root, step, self.shard, cfg.rank) as tmp:
+                # the model as it was at the minibatch start: buffers a forward wrote are put back
+                held = _buffers.rewind_all(step, cfg.rank) if point == "minibatch-start" else {"buffers": "live"}
+                self.step_read = False
+                self.save_fn(str(tmp))
+                self.injector.maybe_fire("save", step)
+                extra: dict = {"progress_step": step, "point": point, **held}
+                if point == "post-step" and not self.step_read:
+                    # After an optimizer step, at a collective no minibatch start followed: the user's step
+                    # may still name the minibatch just done (a barrier after the loop); restoring it would redo it.
+                    extra["step_unverified"] = True
+                    print(f"[jitckpt] rank {cfg.rank}: WARNING: JIT save at a collective after optimizer step "
+                          f"{step} with no minibatch start in between; save_fn did not call "
+                          "jitckpt.checkpoint_step(), so this checkpoint's step label cannot be trusted and it "
+                          "will not be restored. Record jitckpt.checkpoint_step() as your step in save_fn.",
+                          file=sys.stderr, flush=True)
+                path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
+                                      world_size=cfg.world_size, job_id=cfg.job_id, extra=extra,
+                                      identity=cfg.identity or None)
         finally:
             os.umask(old_umask)
         self.report("checkpoint_saved", step=step, shard=self.shard, path=str(path),
@@ -551,10 +554,9 @@ class Runtime:
 
     @staticmethod
     def _on_signal(signum, frame) -> None:
-        # Deliberately empty. It only replaces the default action (terminate);
-        # the watcher thread acts on the wakeup byte. Doing the work here would
-        # run in the main thread between two bytecodes, possibly while that
-        # thread holds _lock (not reentrant): a self-deadlock.
+        # Deliberately empty. It only replaces the default action (terminate); the watcher thread acts on
+        # the wakeup byte. Doing the work here would run in the main thread between two bytecodes,
+        # possibly while that thread holds _lock (not reentrant): a self-deadlock.
         pass
 
     def _watch(self, fd: int) -> None:

@@ -27,7 +27,7 @@ import time
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from jitckpt import auth, contract
+from jitckpt import auth, contract, layout
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 
 from . import migrate, rdzv, warm
@@ -251,8 +251,13 @@ class JitAgent(LocalElasticAgent):
         Episode(f, procs, exited=self._exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
                 events=self._events).run()
+        # what a rank killed inside its save left (a save that failed removed its own)
+        layout.remove_staging(self._jit.root, {r: p.pid for r, p in procs.items() if p.pid})
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
+        elif f.no_space is not None and not f.saved:
+            # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
+            self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))
         else:
             finished, static_lost = self._restorer.choose(
                 f, round_=self._round, group_world_size=wg.group_world_size, shards=self._book.shards,

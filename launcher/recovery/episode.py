@@ -47,11 +47,25 @@ class Failure:
         self.rdzv_t: float | None = None  # the next round's rendezvous done
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
+        self.no_space: str | None = None  # a save failed on a full disk (jitckpt/save_space.py): its line
 
 
 DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
             "'REFUSING TO TRAIN' lines); no training step was taken and the job is not restarted. Check that every "
             "node sees the same jit dir contents or can reach the others.")
+
+
+def no_space_line(f: Failure, jit) -> str:
+    """The one line of a job stopped by a full jit dir (agent._handle_failure)."""
+    from jitckpt import layout
+
+    replicas, _bad = layout.scan(jit.root, jit.job_id, jit.identity)
+    step = layout.select_step(replicas, {r.shard for r in replicas})
+    kept = (f"the newest complete checkpoint here, step {step}, is kept" if step is not None
+            else "no complete checkpoint here yet")
+    return f"jitrun: the job stops, not restarting on a full disk ({kept}): {f.no_space}"
+
+
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
 SAVE_GRACE_S = 1.0  # another replica of a complete step mid-save: not needed, not waited for longer
 EXIT_GRACE_S = 2.0  # savers that published exit on their own within this
