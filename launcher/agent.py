@@ -28,6 +28,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from jitckpt import auth, contract
+from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 
 from . import error_files, migrate, rdzv, warm
@@ -185,7 +186,7 @@ class JitAgent(LocalElasticAgent):
             print(f"jitrun: node(s) {', '.join(new)} lost: their agents stopped answering the job's store "
                   f"for {alive.QUIET_S:g} s; the job goes on without them", flush=True)
 
-    def _on_bad_error_file(self, local_rank: int, path: str, state) -> None:
+    def _on_bad_error_file(self, local_rank: int, path: str, state: State) -> None:
         """A failed worker's error file that could not be used (empty, torn,
         unreadable): its failure is reported without it; the timeline says why."""
         if path in self._bad_error_files:
