@@ -203,15 +203,18 @@ def _set_title(argv: list[str]) -> None:
 
 
 def _record_error(e: BaseException) -> None:
-    """The error file torchrun's failure summary reads (what @record writes)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """The error file torchrun's failure summary reads (what @record writes),
+    complete or absent: the agent SIGTERMs a failing worker while it writes it
+    when another rank failed first (jitckpt/error_file.py)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        from .error_file import write
 
-        get_error_handler().record_exception(e)
-    except Exception:
-        pass
+        write(path, e)
+    except Exception as err:  # the failure itself still ends the process with exit 1
+        print(f"[jitckpt] could not write the error file {path}: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from jitckpt import auth, contract, layout
+from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 
-from . import migrate, rdzv, warm
+from . import error_files, migrate, rdzv, warm
 from .devices import describe, scheduler
 from .devices.watch import DeviceWatch
 from .events import EventLog
@@ -89,6 +90,8 @@ class JitAgent(LocalElasticAgent):
         self._dropped: set[str] = set()  # rendezvous names of nodes taken as lost (_on_lost)
         rdzv.drop_silent(handler, lambda: self._restorer.silence, self._on_lost)
         self._target = start_target(rdzv.coordination_store(handler), jit, self._node, events)
+        self._bad_error_files: set[str] = set()
+        error_files.install(self._on_bad_error_file)  # torch's reads of them too (error_files.py)
 
     # -- reports ------------------------------------------------------------------
 
@@ -182,6 +185,18 @@ class JitAgent(LocalElasticAgent):
             self._events.emit("node_lost", nodes=new, evidence=f"agent silent for {alive.QUIET_S:g} s")
             print(f"jitrun: node(s) {', '.join(new)} lost: their agents stopped answering the job's store "
                   f"for {alive.QUIET_S:g} s; the job goes on without them", flush=True)
+
+    def _on_bad_error_file(self, local_rank: int, path: str, state: State) -> None:
+        """A failed worker's error file that could not be used (empty, torn,
+        unreadable): its failure is reported without it; the timeline says why."""
+        if path in self._bad_error_files:
+            return
+        self._bad_error_files.add(path)
+        rank = next((w.global_rank for w in self._worker_group.workers if w.local_rank == local_rank), None)
+        self._events.emit("error_file_unusable", rank=rank, local_rank=local_rank, path=path, state=state.name,
+                          detail=state.detail)
+        print(f"jitrun: rank {rank}'s error file {path} is {state.name} ({state.detail}); its failure is reported "
+              "from its exit code", file=sys.stderr, flush=True)
 
     def _on_spare(self, n: int) -> None:
         if not self._spare_seen:

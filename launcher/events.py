@@ -21,6 +21,8 @@ restore, refused; during training, rolled back), sdc_suspect (the rank outside
 the majority), state_repaired (taken from the majority in place), verify_off
 (replicas that differ by nature: checks off for the job). A ``recovery``
 record also carries ``fingerprint``: shard -> the digest its replicas agreed on.
+error_file_unusable: a failed worker's error file that was empty, torn,
+unreadable or malformed (``state``), reported without it (error_files.py).
 
 Every record written by an agent names its ``node``; each node writes its own
 ranks' reports only, and ``jitrun events DIR...`` merges several nodes' logs

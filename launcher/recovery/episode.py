@@ -225,12 +225,13 @@ def sdc_suspects(f: Failure | None, exited: dict[int, int]) -> set[int]:
 def torchrun_failures(procs: dict[int, Proc], local_of: dict[int, int], error_files: dict,
                       life: dict[int, tuple[float, float]]) -> dict:
     """What torchrun's failure report shows when restarts run out: the first
-    failure as root cause (earliest last sign of life first)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    failure as root cause (earliest last sign of life first). An error file a
+    killed worker left empty or torn is reported, not read (error_files.py)."""
+    from ..error_files import TolerantProcessFailure  # torch's elastic package, only when needed
 
     codes = {r: h.poll() for r, h in procs.items()}
-    return {r: ProcessFailure(local_rank=local_of[r], pid=procs[r].pid, exitcode=codes[r],
-                              error_file=error_files[local_of[r]])
+    return {r: TolerantProcessFailure(local_rank=local_of[r], pid=procs[r].pid, exitcode=codes[r],
+                                     error_file=error_files[local_of[r]])
             for r in culprits(codes, life)}
 
 
