@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: the runtime is imported before torch is needed
+    import torch
 
 _mirrors: list[Mirror] = []
 
@@ -51,6 +52,8 @@ class Mirror:
         named = [(n, b) for n, b in module.named_buffers() if b is not None]
         self.names = [n for n, _ in named]
         self.live = [b for _, b in named]
+        import torch
+
         with torch.no_grad():
             self.copy = [torch.empty_like(b) for b in self.live]
 
@@ -67,6 +70,8 @@ class Mirror:
         if not self.live:
             self.captured_at = step
             return
+        import torch
+
         with torch.no_grad():
             # one fused copy into memory allocated once: nothing allocated per step
             torch._foreach_copy_(self.copy, self.live)
@@ -82,6 +87,8 @@ class Mirror:
             return list(self.names)
         current = dict(module.named_buffers())
         left: list[str] = []
+        import torch
+
         with torch.no_grad():
             for name, live, saved in zip(self.names, self.live, self.copy, strict=True):
                 if current.get(name) is live:
