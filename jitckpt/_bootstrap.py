@@ -131,6 +131,9 @@ def main() -> NoReturn:
     from . import api
 
     rt = api.install()
+    # a warm worker inherits the fork server's mask with both blocked (launcher/warm.py):
+    # a stop signal that came during the start is acted on from here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
     argv = sys.argv[1:]
     if not argv:
         sys.exit("usage: python -m jitckpt._bootstrap (SCRIPT | -m MODULE) [ARGS...]")
@@ -153,7 +156,10 @@ def main() -> NoReturn:
         # try/except around main()): the error is this exception's context.
         rt.script_ended(e)
         code = _exit_code(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # under jitrun SIGINT is a stop signal (a save), not this exception; a script
+        # that raised it itself or reset the handler still has a save it asked for
+        rt.script_ended(e)
         traceback.print_exc()
         _flush_files()
         # as the interpreter ends on an uncaught KeyboardInterrupt: killed by SIGINT

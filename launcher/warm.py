@@ -49,11 +49,19 @@ def start_server(env: dict[str, str] | None = None) -> None:
         return
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    # The server starts with SIGTERM and SIGINT blocked (the mask survives the exec, as for
+    # multiprocessing's resource tracker): a scheduler's preemption signals every process of
+    # the job, and a server killed by it would take the workers down with it (torch sets
+    # their parent-death signal to SIGINT) in the middle of their JIT save. It still ends
+    # when jitrun does (its alive pipe closes). Its forks inherit the mask; the worker
+    # unblocks both once its runtime's handlers are in place (jitckpt/_bootstrap.py).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:
         _server_env = dict(os.environ)
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
