@@ -127,13 +127,19 @@ def attach() -> None:
     _track_open()
 
 
-def main() -> NoReturn:
+def _install():
     from . import api
 
     rt = api.install()
-    # a warm worker inherits the fork server's mask with both blocked (launcher/warm.py):
-    # a stop signal that came during the start is acted on from here
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    # a warm worker inherits SIGTERM ignored from the fork server (launcher/warm.py); under
+    # jitrun the runtime's handler replaced it, elsewhere the default action comes back
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return rt
+
+
+def main() -> NoReturn:
+    rt = _install()
     argv = sys.argv[1:]
     if not argv:
         sys.exit("usage: python -m jitckpt._bootstrap (SCRIPT | -m MODULE) [ARGS...]")

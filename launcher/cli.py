@@ -23,6 +23,8 @@ from pathlib import Path
 from jitckpt import contract, layout
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
+from .preempt import DEFAULT_GRACE_S, EXIT_PREEMPTED, Preempted, Preemption
+
 # --jit-ec-every when not given. A snapshot costs about one minibatch of CPU per rank
 # (save_fn into tmpfs, then pack + encode + place on a background thread), so the
 # worst case is ~1/N: scripts/bench_ec.py --overhead measured 1.1 % (CPU) / 1.05 %
@@ -101,6 +103,12 @@ def _add_jit_options(g) -> None:
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
+    g.add_argument("--jit-preempt-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT (a scheduler's preemption: Slurm's scancel, a pod deletion; Ctrl-C) "
+                        "the workers take the JIT checkpoint of the current minibatch and jitrun exits "
+                        f"{EXIT_PREEMPTED}; saves not done within this many seconds of the signal are killed, and a "
+                        "second signal kills them at once. Keep it under the scheduler's own grace (Slurm KillWait, "
+                        f"Kubernetes terminationGracePeriodSeconds: 30 s by default) (default {DEFAULT_GRACE_S:g})")
     g.add_argument("--jit-health-interval", type=float, default=30.0,  # launcher/devices/health.py
                    help="seconds between NVML health checks of this node's devices while the job runs "
                         "(0: only before each start); a failing device's ranks are migrated or restarted "
@@ -246,6 +254,7 @@ def check_args(args) -> str | None:
     Run before anything is created on disk or started."""
     err = (_check_seconds("--jit-timeout", args.jit_timeout[0] if args.jit_timeout else None)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
+           or _check_seconds("--jit-preempt-grace", getattr(args, "jit_preempt_grace", None))
            or (None if args.jit_health_interval == 0 else
                _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
@@ -359,6 +368,18 @@ def run(args) -> int:
     except scheduler.SchedulerError as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM/SIGINT from here on is a preemption (launcher/preempt.py), before torch is imported
+    pre = Preemption(getattr(args, "jit_preempt_grace", DEFAULT_GRACE_S))
+    pre.install()
+    try:
+        return _start(args, sched, pre)
+    except Preempted:
+        print(f"jitrun: preempted ({pre.name}) before the job's workers started; nothing to save; relaunch the same "
+              "command to run it", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+
+
+def _start(args, sched: str, pre: Preemption) -> int:
     job_id = job_id_for(args)
     root = Path(args.jit_dir or Path.cwd() / "jitckpt_runs" / job_id).resolve()
     try:
@@ -382,7 +403,7 @@ def run(args) -> int:
 
     rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=args.job_token, timeout_s=timeout,
                 save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
-                timeout_fixed=fixed,
+                timeout_fixed=fixed, preempt=pre,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:
         from .shim_events import collect

@@ -47,6 +47,9 @@ class Failure:
         self.rdzv_t: float | None = None  # the next round's rendezvous done
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
+        # rank -> (reason, t) of its first report of a stop signal (preempt.STOP_REASONS): a preemption
+        # when every rank of the node had one the agent did not send (launcher/preempt.py)
+        self.stop_reports: dict[int, tuple[str, float]] = {}
 
 
 DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
@@ -63,11 +66,12 @@ class Episode:
     ``exited``: rank -> exit code of this node's workers (shared with the
     agent, which clears it at a restart); ``shards``: rank -> shard from the
     reports; ``wait(pids, seconds)`` blocks until one of them exits or a
-    report arrives; ``poll()`` reads new reports into ``f``."""
+    report arrives; ``poll()`` reads new reports into ``f``; ``check()`` may
+    raise to end the episode where it stands (its workers left to the caller)."""
 
     def __init__(self, f: Failure, procs: dict[int, Proc], *, exited: dict[int, int], shards: dict[int, str],
                  timeout_s: float, save_timeout_s: float, wait: Callable[[list[int], float], None],
-                 poll: Callable[[], object], events) -> None:
+                 poll: Callable[[], object], events, check: Callable[[], None] = lambda: None) -> None:
         self.f = f
         self.procs = procs
         self.exited = exited
@@ -77,6 +81,7 @@ class Episode:
         self.wait = wait
         self.poll = poll
         self.events = events
+        self.check = check  # raises to leave the episode (a preemption: launcher/preempt.py)
 
     def run(self) -> None:
         self._ask_and_wait()
@@ -108,6 +113,7 @@ class Episode:
         termed_at = time.monotonic()
         grace_until: float | None = None
         while True:
+            self.check()
             alive = self._note_exits()
             # Ask live workers to save now instead of waiting for their collectives
             # to time out; a stopped rank keeps it pending and is killed below.
