@@ -379,6 +379,7 @@ class Runtime:
                 self.report("resumed", step=self.steps_done - 1, restored=self.restored)
         if self.on_minibatch_begin is not None:
             self.on_minibatch_begin()
+        self.injector.maybe_fire("post-step", self.steps_done - 1)
 
     # -- triggers ------------------------------------------------------------
 

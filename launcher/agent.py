@@ -273,7 +273,7 @@ class JitAgent(LocalElasticAgent):
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
                 events=self._events, check=self._preempt.check).run()
         self._live = False
-        if self._preempt.by_workers(f, self._local_ranks, self._where.asked):
+        if self._preempt.by_workers(f.stop_reports, self._local_ranks, self._where.asked):
             raise Preempted(self._preempt.name)
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)

@@ -40,14 +40,10 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .recovery.episode import Failure
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on purpose, relaunch the same command (docs/recovery.md)
 DEFAULT_GRACE_S = 15.0  # well under Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds (30 s)
-ASK_AFTER_S = 0.3  # a worker reached by the same signal answers from its watcher thread within this
+ASK_AFTER_S = 0.5  # a worker reached by the same signal answers from its watcher thread within this (episode.UNHEARD_S)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # what a worker reports for a SIGTERM / SIGINT it acted on (jitckpt.runtime.Runtime.on_stop_signal)
 STOP_REASONS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
@@ -109,11 +105,14 @@ class Preemption:
     def deadline(self) -> float:
         return self.t0 + self.grace_s
 
-    def by_workers(self, f: Failure, local_ranks: set[int], asked: dict[int, float]) -> bool:
+    def by_workers(self, stop_reports: dict[int, tuple[str, float]], local_ranks: set[int],
+                   asked: dict[int, float]) -> bool:
         """Did every rank of this node get a stop signal that the agent did not send
         (reported before the agent asked it to save, or never asked)? Then it is a
-        preemption, noted as such."""
-        stops = [f.stop_reports.get(r) for r in local_ranks]
+        preemption, noted as such. ``stop_reports``: a failure episode's
+        (recovery.episode.Failure), which holds its requests back a moment for
+        this (ASK_AFTER_S)."""
+        stops = [stop_reports.get(r) for r in local_ranks]
         if not local_ranks or any(s is None or s[1] >= asked.get(r, float("inf"))
                                   for r, s in zip(local_ranks, stops, strict=True)):
             return False

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 
+from ..preempt import ASK_AFTER_S, STOP_REASONS
 from ..workers import Proc, is_stopped
 
 
@@ -116,9 +117,12 @@ class Episode:
             self.check()
             alive = self._note_exits()
             # Ask live workers to save now instead of waiting for their collectives
-            # to time out; a stopped rank keeps it pending and is killed below.
+            # to time out; a stopped rank keeps it pending and is killed below. Not
+            # at once when the failure so far is stop signals: a preemption's reaches
+            # every rank, and each must say it got it before it is asked (preempt.py).
+            hold = self._stop_signals_only() and time.monotonic() - termed_at < ASK_AFTER_S
             for r in alive:
-                if r not in termed:
+                if r not in termed and not hold:
                     termed.add(r)
                     self.procs[r].signal(signal.SIGTERM)
             if not alive:
@@ -139,6 +143,9 @@ class Episode:
                 return
             self.wait([self.procs[r].pid for r in alive if self.procs[r].pid], 0.1)
             self.poll()
+
+    def _stop_signals_only(self) -> bool:
+        return bool(self.f.reasons) and all(why in STOP_REASONS for why in self.f.reasons.values())
 
     def _kill_the_rest(self) -> None:
         f = self.f

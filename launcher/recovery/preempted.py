@@ -62,6 +62,9 @@ def _kill(procs: dict[int, Proc], ranks: list[int], events, why: str) -> list[in
     events.emit("ranks_killed", ranks=sorted(ranks), signal="SIGKILL", why=why)
     for r in ranks:
         procs[r].wait()
+        c = procs[r].poll()
+        events.emit("worker_exit", rank=r, exitcode=c, killed=True,
+                    signal=signal.Signals(-c).name if c is not None and c < 0 else None)
     return sorted(ranks)
 
 
