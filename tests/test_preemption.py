@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import TRAIN, Job, assert_same_state, jitrun, run_reference, run_tree
-from jitrun.preempt import EXIT_PREEMPTED
+from jitrun.preempt import EXIT_PREEMPTED, Preemption, torch_signals
 
 from jitckpt import layout
 
@@ -242,3 +242,44 @@ def test_script_that_catches_sigterm_itself(tmp_path):
     start = max(i for i, e in enumerate(evs) if e["event"] == "job_start")
     assert {e["loaded"] for e in evs[start:] if e["event"] == "loaded"} == {step}, evs[start:]
     assert_same_state(out, again.out)
+
+
+def _catches(pid: int, sig: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            mask = next(int(ln.split()[1], 16) for ln in fh if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
+
+
+def test_sigterm_before_the_workers_start(tmp_path):
+    """jitrun takes SIGTERM over before it imports torch: a job stopped that early says so."""
+    p, _ = _start(tmp_path, [])
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(p.pid, signal.SIGTERM) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGTERM)
+    finally:
+        job = _finish(p, "", tmp_path)
+    assert job.returncode == EXIT_PREEMPTED, job.output[-3000:]
+    assert [ln for ln in job.output.splitlines() if ln.startswith("jitrun:")] == [
+        "jitrun: preempted (SIGTERM) before the job's workers started; nothing to save; relaunch the same command "
+        "to run it"], job.output[-3000:]
+    assert not job.of("worker_exit") and not _workers(p.pid)
+
+
+def test_torch_keeps_the_other_signals():
+    assert torch_signals("SIGTERM,SIGINT,SIGHUP,SIGQUIT") == "SIGHUP,SIGQUIT"
+    assert torch_signals(" SIGINT , SIGTERM ") == "SIGHUP"  # never empty: torch logs a traceback for ""
+
+
+def test_a_preemption_by_the_workers_needs_every_rank_unasked():
+    pre = Preemption()
+    assert not pre.by_workers({0: ("sigterm", 10.0)}, {0, 1}, {})  # one rank's signal: its failure
+    # rank 1 reported after the agent asked it (a failure episode's request): not from elsewhere
+    assert not pre.by_workers({0: ("sigterm", 10.0), 1: ("sigterm", 12.0)}, {0, 1}, {1: 11.0})
+    assert not pre.requested
+    assert pre.by_workers({0: ("sigint", 10.0), 1: ("sigint", 10.1)}, {0, 1}, {1: 11.0})
+    assert pre.requested and pre.source == "workers" and pre.name == "SIGINT"

@@ -76,8 +76,8 @@ def outcome(pre: Preemption, f: Failure | None, *, root: Path, shards: set[str],
     pub = layout.published(root)
     step = max((s for s, have in pub.items() if (shards or {"0"}) <= have), default=None)
     steps = [*(f.rank_step.values() if f else ()), *(int(m["step"]) for m in (f.saved.values() if f else ()))]
-    progress = max(steps, default=-1)
-    saved = step is not None and step >= progress >= 0
+    progress = max(steps, default=-1)  # -1: no rank reported a step (none trained this round)
+    saved = step is not None and step >= progress
     finished = bool(exited) and not killed and all(c == 0 for c in exited.values()) and not (f and f.saved)
     events.emit("preempted", signal=pre.name, source=pre.source, step=step, progress=progress if progress >= 0
                 else None, saved=saved, killed=killed, grace_s=pre.grace_s, finished=finished,
@@ -85,10 +85,15 @@ def outcome(pre: Preemption, f: Failure | None, *, root: Path, shards: set[str],
     sig = f"jitrun: preempted ({pre.name}{', to the workers' if pre.source == 'workers' else ''})"
     if finished:
         return 0, f"{sig} after this node's workers finished the job; its result stands"
+    if saved and progress < 0:
+        return EXIT_PREEMPTED, (f"{sig} before training resumed; the checkpoint of step {step} stands; relaunch "
+                                "the same command to resume")
     if saved:
         return EXIT_PREEMPTED, f"{sig} at step {step}; saved; relaunch the same command to resume"
+    if progress < 0:
+        return EXIT_PREEMPTED, f"{sig} before training started; nothing to save; relaunch the same command to run it"
     why = _why_not(pre, killed, events, since=min(f.detected_t, pre.t0_wall) if f else pre.t0_wall)
-    at = f" at step {progress}" if progress >= 0 else " before training started"
+    at = f" at step {progress}"
     if step is None:
         return EXIT_PREEMPTED, f"{sig}{at}; NOT saved ({why}); relaunching the same command starts from step 0"
     return EXIT_PREEMPTED, (f"{sig}{at}; NOT saved ({why}); relaunch the same command to resume from step {step}"
