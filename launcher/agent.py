@@ -57,8 +57,8 @@ class JitAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self._jit = jit
         self._events = events
-        # SIGTERM/SIGINT for the job (launcher/preempt.py); _live: this node's workers run,
-        # so the handler only notes the signal and the monitor loop stops them
+        # SIGTERM/SIGINT for the job (launcher/preempt.py); _live: this node's workers run (or
+        # are being started), so the handler only notes the signal and the monitor loop stops them
         self._preempt = preempt or Preemption(jit.preempt_grace_s)
         self._live = False
         self.preempt_result: tuple[int, str] | None = None  # (exit code, line), once preempted
@@ -150,6 +150,7 @@ class JitAgent(LocalElasticAgent):
         self._poll(worker_group)  # connect the report reader before this round's workers report
 
     def _start_workers(self, worker_group: WorkerGroup):
+        self._live = True  # a preemption from here on is handled once they run, none is left behind
         self._restorer.prepare(self._local_ranks)
         self._devices.before_start(worker_group)
         pids = super()._start_workers(worker_group)
@@ -159,7 +160,6 @@ class JitAgent(LocalElasticAgent):
             migrate.publish(self._worker_store(worker_group), self._jit.token, self._jit.root, ranks,
                             (worker_group.master_addr, worker_group.master_port))
         self._write_ranks(worker_group)
-        self._live = True
         return pids
 
     def _write_ranks(self, wg: WorkerGroup) -> None:
@@ -305,6 +305,13 @@ class JitAgent(LocalElasticAgent):
             self._stop_preempted(self._worker_group)
         super()._shutdown(death_sig, timeout)
 
+    def _poll_quietly(self, wg: WorkerGroup, drain: bool = False) -> None:
+        """The workers' reports, if the store still answers: their exits are what counts now."""
+        try:
+            self._poll(wg, drain=drain)
+        except Exception as e:  # a store hosted by another node's agent, gone with its node
+            self._events.emit("reports_unread", error=f"{type(e).__name__}: {e}"[:300])
+
     def finish_preempted(self) -> tuple[int, str]:
         """(exit code, line) of a preemption; the workers stopped first if the run did not."""
         if self.preempt_result is None:
@@ -320,8 +327,8 @@ class JitAgent(LocalElasticAgent):
         killed: list[int] = []
         if self._pcontext is not None:
             killed = stop_workers(self._preempt, self._procs(wg), self._failure, exited=self._exited,
-                                  wait=self._wakeup.wait, poll=lambda: self._poll(wg), events=self._events)
-            self._poll(wg, drain=True)
+                                  wait=self._wakeup.wait, poll=lambda: self._poll_quietly(wg), events=self._events)
+            self._poll_quietly(wg, drain=True)
         self.preempt_result = outcome(self._preempt, self._failure, root=self._jit.root,
                                       shards=set(self._book.local_shards().values()), killed=killed,
                                       exited=self._exited, events=self._events)

@@ -21,7 +21,8 @@ restore, refused; during training, rolled back), sdc_suspect (the rank outside
 the majority), state_repaired (taken from the majority in place), verify_off
 (replicas that differ by nature: checks off for the job). preempted: SIGTERM
 or SIGINT stopped the job (launcher/preempt.py: signal, who got it, the step
-saved, the ranks' progress, whether nothing was lost, ranks killed). A ``recovery``
+saved, the ranks' progress, whether nothing was lost, ranks killed; reports_unread
+if the store was gone by then). A ``recovery``
 record also carries ``fingerprint``: shard -> the digest its replicas agreed on.
 
 Every record written by an agent names its ``node``; each node writes its own

@@ -56,8 +56,10 @@ def check_preempted(job: Job, sig: str, steps: set[int], who: str = "", codes: t
         assert noise not in out, (noise, out[-5000:])
     exits = {e["rank"]: e["exitcode"] for e in job.of("worker_exit")}
     assert sorted(exits) == [0, 1] and all(c in codes for c in exits.values()), exits
+    # a rank whose watcher ran after its main thread finished that minibatch's optimizer step
+    # saves the next minibatch start: the newest step with every shard (one replica) is restored
     saved = job.of("checkpoint_saved")
-    assert saved and {e["step"] for e in saved} == {step}, saved
+    assert saved and step in {e["step"] for e in saved} <= {step - 1, step}, saved
     assert not job.of("restart"), "a preemption is not restarted"
     end = job.of("job_end")
     assert [e["exitcode"] for e in end] == [EXIT_PREEMPTED], end
@@ -76,8 +78,8 @@ def check_relaunch(job: Job, step: int, reference: Path) -> None:
 
 @pytest.mark.parametrize("phase,steps", [
     ("post-step", {AT + 1}),  # after minibatch AT's optimizer step: saved at the start of AT + 1
-    ("forward", {AT}),
-    ("backward", {AT}),
+    ("forward", {AT, AT + 1}),  # AT + 1: the other rank finished minibatch AT first (see check_preempted)
+    ("backward", {AT, AT + 1}),
 ])
 def test_group_sigterm(tmp_path, reference, phase, steps):
     """SIGTERM to every process of the job (scancel, a pod deletion, a spot notice)."""
@@ -95,14 +97,14 @@ def test_group_sigterm_during_ec_snapshot(tmp_path, reference):
     job = jitrun(tmp_path, steps=STEPS, fault=f"rank=1,step={AT},phase=snapshot,kind=pgterm", **ec)
     fired = [e for e in job.of("fault_injected") if e.get("phase") == "snapshot"]
     assert fired, job.output[-3000:]  # the snapshot of step 6 was taken
-    step = check_preempted(job, "SIGTERM", {AT})
+    step = check_preempted(job, "SIGTERM", {AT, AT + 1})
     check_relaunch(jitrun(tmp_path, steps=STEPS, **ec), step, reference(2, STEPS))
 
 
 def test_group_sigint(tmp_path, reference):
     """Ctrl-C in the job's terminal: SIGINT to the foreground process group."""
     job = jitrun(tmp_path, steps=STEPS, fault=f"rank=1,step={AT},phase=backward,kind=pgint")
-    step = check_preempted(job, "SIGINT", {AT})
+    step = check_preempted(job, "SIGINT", {AT, AT + 1})
     check_relaunch(jitrun(tmp_path, steps=STEPS), step, reference(2, STEPS))
 
 

@@ -85,13 +85,14 @@ def outcome(pre: Preemption, f: Failure | None, *, root: Path, shards: set[str],
     sig = f"jitrun: preempted ({pre.name}{', to the workers' if pre.source == 'workers' else ''})"
     if finished:
         return 0, f"{sig} after this node's workers finished the job; its result stands"
-    if saved and progress < 0:
-        return EXIT_PREEMPTED, (f"{sig} before training resumed; the checkpoint of step {step} stands; relaunch "
-                                "the same command to resume")
+    if saved and progress < 0:  # e.g. during a restart: what the job would have resumed from
+        return EXIT_PREEMPTED, (f"{sig} before any rank reported training progress; the newest checkpoint is step "
+                                f"{step}; relaunch the same command to resume from it")
     if saved:
         return EXIT_PREEMPTED, f"{sig} at step {step}; saved; relaunch the same command to resume"
     if progress < 0:
-        return EXIT_PREEMPTED, f"{sig} before training started; nothing to save; relaunch the same command to run it"
+        return EXIT_PREEMPTED, (f"{sig} before any rank reported training progress; nothing saved; relaunching the "
+                                "same command starts from step 0")
     why = _why_not(pre, killed, events, since=min(f.detected_t, pre.t0_wall) if f else pre.t0_wall)
     at = f" at step {progress}"
     if step is None:
