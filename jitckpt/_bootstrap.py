@@ -128,12 +128,21 @@ def attach() -> None:
     _track_open()
 
 
-def main() -> NoReturn:
+def _install():
     from . import api, parent_death
 
     if not sys.modules.get("jitckpt._server_bind"):  # a fork of the warm server was bound in worker_main
         parent_death.bind_worker()
     rt = api.install()
+    # a warm worker inherits SIGTERM ignored from the fork server (launcher/warm.py); under
+    # jitrun the runtime's handler replaced it, elsewhere the default action comes back
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return rt
+
+
+def main() -> NoReturn:
+    rt = _install()
     argv = sys.argv[1:]
     if not argv:
         sys.exit("usage: python -m jitckpt._bootstrap (SCRIPT | -m MODULE) [ARGS...]")
@@ -156,7 +165,10 @@ def main() -> NoReturn:
         # try/except around main()): the error is this exception's context.
         rt.script_ended(e)
         code = _exit_code(e)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        # under jitrun SIGINT is a stop signal (a save), not this exception; a script
+        # that raised it itself or reset the handler still has a save it asked for
+        rt.script_ended(e)
         traceback.print_exc()
         _flush_files()
         # as the interpreter ends on an uncaught KeyboardInterrupt: killed by SIGINT

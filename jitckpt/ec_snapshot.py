@@ -241,6 +241,7 @@ class Snapshotter:
         self.stall_s.append(time.perf_counter() - t0)
         self.stall_cpu_s.append(time.thread_time() - c0)
         self._q.put((step, stage))
+        rt.injector.maybe_fire("snapshot", step)  # tests: a signal while the version is on its way
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every version handed to the thread is done (False: not within ``timeout_s``)."""

@@ -11,12 +11,21 @@ keys:
            for phase=save (fires on that rank's first JIT save) nor
            phase=exit (fires when the script has returned and the rank
            reported it finished, as the process ends). Default 0.
-  phase    forward | backward | allreduce | optimizer | save | restore | exit
+  phase    forward | backward | allreduce | optimizer | post-step | snapshot |
+           save | restore | exit
+           (post-step: right after minibatch ``step``'s optimizer step, before the
+           next minibatch starts; snapshot: right after the rank handed the EC
+           snapshot of step ``step`` to its background thread, --jit-ec-every)
   kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
-           hang | lose | exit | errfile | stale | swap | bitflip
-           (signals are sent by the rank to itself; abort = os.abort();
+           hang | lose | exit | errfile | stale | swap | bitflip | pgterm | pgint | leaderterm
+           (signals are sent by the rank to itself, except: pgterm / pgint = SIGTERM /
+           SIGINT to the rank's whole process group, and leaderterm = SIGTERM to that
+           group's leader alone; for a jitrun started in a session of its own (a batch
+           system, the tests) the group is jitrun, its fork server and every worker, the
+           leader jitrun: a scheduler's preemption, Ctrl-C, a signal for jitrun alone;
            errfile = leaves its error file (TORCHELASTIC_ERROR_FILE) empty, as
            a worker killed while torch's handler writes it does, then sigkill;
+           abort = os.abort();
            hang = blocks forever while holding the GIL; lose = waits in a
            collective nobody completes (a recv from the next rank, which
            never sends: on every rank at the same step, a lost collective);
@@ -51,9 +60,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore", "exit")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "post-step", "snapshot", "save", "restore", "exit")
 KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "lose", "exit",
-         "errfile", "stale", "swap", "bitflip")
+         "errfile", "stale", "swap", "bitflip", "pgterm", "pgint", "leaderterm")
 TARGETS = ("param", "optim")
 EXIT_INJECTED = 13
 
@@ -163,6 +172,10 @@ def execute(kind: str, where: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind in ("sigterm", "sigint", "sigsegv"):
         os.kill(os.getpid(), {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigsegv": signal.SIGSEGV}[kind])
+    elif kind in ("pgterm", "pgint"):
+        os.killpg(os.getpgid(0), signal.SIGTERM if kind == "pgterm" else signal.SIGINT)
+    elif kind == "leaderterm":
+        os.kill(os.getpgid(0), signal.SIGTERM)
     elif kind == "abort":
         os.abort()
     elif kind == "exception":

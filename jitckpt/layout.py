@@ -466,6 +466,20 @@ def scan(root: Path, job_id: str | None = None, identity: str | None = None
     return good, bad
 
 
+def published(root: Path) -> dict[int, set[str]]:
+    """Step -> the shards with a published replica (a manifest, renamed into place),
+    from the names alone: what a restore would try, not verified (``scan`` hashes
+    every file; this is for a message, when time is short)."""
+    out: dict[int, set[str]] = {}
+    base = root / "ckpt"
+    for m in base.glob("step-*/shard-*/rank-*/MANIFEST.json"):
+        rank_d, shard_d, step_d = m.parent, m.parent.parent, m.parent.parent.parent
+        st, sh = _STEP_RE.match(step_d.name), _SHARD_RE.match(shard_d.name)
+        if st and sh and _RANK_RE.match(rank_d.name):
+            out.setdefault(int(st.group(1)), set()).add(sh.group(1))
+    return out
+
+
 def select_step(replicas: list[Replica], shards: set[str], *, max_step: int | None = None) -> int | None:
     """Newest step at which every shard in ``shards`` has a complete replica."""
     by_step: dict[int, set[str]] = {}

@@ -13,18 +13,18 @@ Threads and locks
   ``on_collective_error`` where torch raises a collective error (hooks.py), so
   the save starts before any ``except`` above that frame runs; the end of the
   script (``script_ended``, from _bootstrap.py) is the last such point.
-* watcher thread (``jitckpt-watcher``, daemon): blocks reading the signal
-  wakeup pipe. Python's C-level signal handler writes the signal number there
-  even while the main thread is stuck in a collective with the GIL released,
-  so a SIGTERM is acted on at once instead of when the collective returns.
+* watcher thread (``jitckpt-watcher``, daemon, signal_watch.py): acts on
+  SIGTERM and SIGINT through the signal wakeup pipe (``on_stop_signal``),
+  also while the main thread is stuck in a collective with the GIL released,
+  so a stop signal is acted on at once instead of when the collective returns.
 * the libintercept watchdog thread (when the shim is preloaded) calls
   ``_on_hang`` holding the GIL it obtained through the shim's signal-based GIL
   release.
 
-``_exit_lock``: the watcher holds it while it acts on a SIGTERM; an atexit
-handler takes it for good, so no store call is in flight on the watcher when
-the interpreter finalizes (see ``_quiesce_watcher``). Lock order: _exit_lock,
-then _lock.
+``_exit_lock``: whoever acts on a stop signal holds it (the watcher, or the
+main thread at the script's end); an atexit handler takes it for good, so no
+store call is in flight on the watcher when the interpreter finalizes
+(signal_watch.py). Lock order: _exit_lock, then _lock.
 
 ``_lock`` (threading.Lock) guards ``phase``, ``deferred`` and ``saving``; it
 is held only for those few reads/writes, never across save_fn or I/O. Whoever
@@ -32,16 +32,13 @@ sets ``saving`` owns the save (or the decision that there is none,
 ``_leave_unsaved``) and ends the process with ``os._exit``; any other
 thread that then needs the lock-protected state (the main thread entering the
 optimizer step, a second trigger) parks forever on ``_halt`` so parameters are
-never written while they are being saved. The Python-level SIGTERM handler
-is empty on purpose (see ``_on_signal``); the C-level handler only writes the
-wakeup byte, which is async-signal-safe.
+never written while they are being saved. The Python-level SIGTERM and
+SIGINT handlers are empty on purpose (signal_watch.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import select
 import signal
 import statistics
 import sys
@@ -58,7 +55,6 @@ from . import faults as _faults
 from .collective_errors import find_collective_error
 
 SaveFn = Callable[[str], None]
-HEARTBEAT_S = 0.1  # the watcher's beat period (launcher/recovery/hang.py: STALE_S)
 
 
 class Phase(Enum):
@@ -83,7 +79,9 @@ class Runtime:
         self.collective_exc: BaseException | None = None  # the first collective error seen (main thread)
         self._lock = threading.Lock()
         self._halt = threading.Event()  # never set: parks threads until os._exit
-        self._exit_lock = threading.Lock()  # watcher acts only under it; taken for good at exit
+        self._exit_lock = threading.Lock()  # stop signals are acted on only under it; taken for good at exit
+        self.signals = None  # signal_watch.SignalWatch, under jitrun
+        self.stop_signal: int | None = None  # the first SIGTERM/SIGINT acted on
         self._step_t: float | None = None
         self._step_times: list[float] = []
         self._resumed_reported = False
@@ -360,6 +358,7 @@ class Runtime:
                 self.report("resumed", step=self.steps_done - 1, restored=self.restored)
         if self.on_minibatch_begin is not None:
             self.on_minibatch_begin()
+        self.injector.maybe_fire("post-step", self.steps_done - 1)
 
     # -- triggers ------------------------------------------------------------
 
@@ -445,19 +444,24 @@ class Runtime:
 
     def script_ended(self, exc: BaseException | None) -> None:
         """The script returned, raised, or called ``sys.exit`` (``exc``): the
-        last chance for a save a collective failure asked for. A collective
-        error found in ``exc`` that no hook saw is handled as at its raise
-        point; one seen after an optimizer step (POST) whose exception then
-        ended the training, instead of a next minibatch start, is saved here,
-        at the state after that step, with the minibatch-start snapshot
-        (resumable's RNG, counters and data position) taken first, as at a
-        collective after the step. Returns only when there is nothing to save."""
+        last chance for a save a collective failure or a stop signal asked
+        for. A collective error found in ``exc`` that no hook saw is handled
+        as at its raise point; a stop signal not acted on yet, as by the
+        watcher. A save deferred after an optimizer step (POST) whose
+        minibatch start never came is taken here, at the state after that
+        step, with the minibatch-start snapshot (resumable's RNG, counters and
+        data position) taken first, as at a collective after the step."""
         if not self.cfg.managed:
             return  # not under jitrun: the process ends as under torchrun
+        if self.signals is not None:
+            self.signals.take_pending()
         err = find_collective_error(exc)
         if err is not None:
             self.on_collective_error(err)
-        if self.collective_exc is None or self.deferred is None:
+        if self.deferred is None or (self.collective_exc is None and self.stop_signal is None):
+            return
+        if self.collective_exc is None:
+            self._save_at_script_end()
             return
         self._claim_save()
         reason = self.deferred
@@ -471,6 +475,26 @@ class Runtime:
                 sys.stderr.flush()
                 os._exit(_config.EXIT_NOT_SAVED)
         self._save_and_exit(reason, Phase.POST, announced=True)
+
+    def _save_at_script_end(self) -> None:
+        """A stop signal's save whose minibatch start never came (a script that catches
+        SIGTERM stopped its loop): taken after the last optimizer step; the process then
+        ends as the script asked (its exit code; nothing failed here)."""
+        self._claim_save()
+        step = self.steps_done
+        if self.phase is Phase.OPT:
+            self.report("checkpoint_skipped", why="the script ended inside an optimizer step")
+            return
+        try:
+            if self.on_minibatch_start is not None:
+                self.on_minibatch_start()
+            if self.save_fn is None:
+                self.report("checkpoint_skipped", why="no save_fn registered (jitckpt.register)")
+            else:
+                self._jit_save("post-step")
+        except BaseException as e:  # the script's own end stands
+            self.report("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
 
     def _save_and_exit(self, reason: str, phase: Phase, announced: bool = False) -> None:
         code = _config.EXIT_NOT_SAVED
@@ -533,45 +557,22 @@ class Runtime:
     # -- signals -------------------------------------------------------------
 
     def install_signal_watch(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(r,), name="jitckpt-watcher", daemon=True).start()
-        atexit.register(self._quiesce_watcher)
+        from .signal_watch import SignalWatch
 
-    def _quiesce_watcher(self) -> None:
-        """At interpreter exit, before finalization: wait for the watcher to
-        leave any store call and keep it from starting another. A daemon
-        thread that is inside a pybind11 call (TCPStore) when finalization
-        starts is ended by pthread_exit in pybind11's noexcept GIL
-        re-acquisition: std::terminate, "terminate called without an active
-        exception", SIGABRT. The lock is never released: a SIGTERM arriving
-        now finds an exiting process, which is what the sender wanted."""
-        self._exit_lock.acquire()
+        watch = SignalWatch(self)
+        if watch.install():
+            self.signals = watch
 
-    @staticmethod
-    def _on_signal(signum, frame) -> None:
-        # Deliberately empty. It only replaces the default action (terminate); the watcher thread acts on
-        # the wakeup byte. Doing the work here would run in the main thread between two bytecodes,
-        # possibly while that thread holds _lock (not reentrant): a self-deadlock.
-        pass
-
-    def _watch(self, fd: int) -> None:
-        # the beat says this process can still run Python: one that holds the GIL for good stops beating
-        while True:
-            if self.waits is not None:
-                self.waits.beat()
-            if not select.select([fd], [], [], HEARTBEAT_S)[0]:
-                continue
-            data = os.read(fd, 64)
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                with self._exit_lock:  # held for good once the interpreter exits
-                    self.request_save("sigterm")
+    def on_stop_signal(self, sig: int) -> None:
+        """SIGTERM or SIGINT reached this worker (signal_watch.py; the watcher
+        thread, or the main thread at the script's end): save now or at the
+        next minibatch start. Caller holds ``_exit_lock``."""
+        with self._lock:
+            if self.saving:
+                return  # the save under way ends the process (or the script's end took it)
+            if self.stop_signal is None:
+                self.stop_signal = sig
+        self.request_save("sigint" if sig == signal.SIGINT else "sigterm")
 
     def _on_hang(self, info: dict) -> None:
         """libintercept watchdog: a collective hung past the timeout."""

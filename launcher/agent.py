@@ -21,6 +21,7 @@ Agent's main thread, except the threads each collaborator documents.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -38,10 +39,12 @@ from .events import EventLog
 from .migration.inbound import start_target
 from .migration.outbound import move_out
 from .options import JitOptions, this_node
+from .preempt import Preempted, Preemption
 from .recovery import alive, episode
 from .recovery.detect import Detector
 from .recovery.episode import Episode, Failure
 from .recovery.hang import HangWatch
+from .recovery.preempted import outcome, stop_workers
 from .recovery.record import recovery_record
 from .recovery.reports import ReportBook
 from .recovery.restore import STATIC_LOST, Restorer
@@ -50,10 +53,16 @@ from .workers import Proc, Whereabouts, cpu_seconds, forked_progress, write_rank
 
 
 class JitAgent(LocalElasticAgent):
-    def __init__(self, *args, jit: JitOptions, events: EventLog, **kwargs) -> None:
+    def __init__(self, *args, jit: JitOptions, events: EventLog, preempt: Preemption | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._jit = jit
         self._events = events
+        # SIGTERM/SIGINT for the job (launcher/preempt.py); _live: this node's workers run (or
+        # are being started), so the handler only notes the signal and the monitor loop stops them
+        self._preempt = preempt or Preemption(jit.preempt_grace_s)
+        self._live = False
+        self.preempt_result: tuple[int, str] | None = None  # (exit code, line), once preempted
         # a record in the store that does not verify under the job token: one line in the timeline
         auth.on_reject(lambda what, why: events.emit("record_rejected", what=what, why=why))
         spec = self._worker_group.spec
@@ -77,6 +86,8 @@ class JitAgent(LocalElasticAgent):
         self._monitor_s = spec.monitor_interval
         spec.monitor_interval = 1e-6
         self._wakeup = Wakeup()
+        self._preempt.poke, self._preempt.interruptible = self._wakeup.poke, lambda: not self._live
+        self._preempt.install()
         self._where = Whereabouts()
         self._book = ReportBook(events)
         self._detector = Detector(self._book, events)
@@ -127,6 +138,7 @@ class JitAgent(LocalElasticAgent):
         contract.ATTEMPT.set(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
         self._book.new_round(self._round, self._local_ranks)
+        self._where.asked.clear()
         self._hang.new_round(self._round, self._local_ranks, worker_group.workers[0].world_size)
         self._hang.post = lambda fields: Reporter(self._worker_store(worker_group), self._jit.token, None).send(
             "hang_suspect", node=self._node.node_id, attempt=self._round, **fields)
@@ -141,6 +153,7 @@ class JitAgent(LocalElasticAgent):
         self._poll(worker_group)  # connect the report reader before this round's workers report
 
     def _start_workers(self, worker_group: WorkerGroup):
+        self._live = True  # a preemption from here on is handled once they run, none is left behind
         self._restorer.prepare(self._local_ranks)
         self._devices.before_start(worker_group)
         pids = super()._start_workers(worker_group)
@@ -207,12 +220,20 @@ class JitAgent(LocalElasticAgent):
     # -- monitoring ---------------------------------------------------------------
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._preempt.check()
+        res = self._look(worker_group)
+        if res.state == WorkerState.SUCCEEDED:
+            self._live = False
+        return res
+
+    def _look(self, worker_group: WorkerGroup) -> RunResult:
         procs = self._procs(worker_group)
         coord = self._restorer.coord
         self._devices.tick(worker_group, procs, self._local_ranks, coord.store if coord else None,
                            lambda: self._worker_store(worker_group), lambda: self._write_ranks(worker_group))
         procs = self._procs(worker_group)
         self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
+        self._preempt.check()  # the workers' reports of the same signal are no failure
         msgs = self._poll(worker_group, absorb=False)
         pids = {r: self._where.ns_pids.get(r, p.pid) for r, p in procs.items()}
         cpu = {r: cpu_seconds(pid) for r, pid in pids.items()}
@@ -265,9 +286,12 @@ class JitAgent(LocalElasticAgent):
         procs = self._procs(wg)
         Episode(f, procs, exited=self._exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
-                events=self._events).run()
+                events=self._events, check=self._preempt.check).run()
         # what a rank killed inside its save left (a save that failed removed its own)
         layout.remove_staging(self._jit.root, {r: p.pid for r, p in procs.items() if p.pid})
+        self._live = False
+        if self._preempt.by_workers(f.stop_reports, self._local_ranks, self._where.asked):
+            raise Preempted(self._preempt.name)
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
         elif f.no_space is not None and not f.saved:
@@ -294,6 +318,41 @@ class JitAgent(LocalElasticAgent):
                                              self._pcontext.error_files, self._book.life)  # type: ignore[union-attr]
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
+    # -- preemption (launcher/preempt.py) --------------------------------------------
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        if self._preempt.requested and self.preempt_result is None:
+            self._stop_preempted(self._worker_group)
+        super()._shutdown(death_sig, timeout)
+
+    def _poll_quietly(self, wg: WorkerGroup, drain: bool = False) -> None:
+        """The workers' reports, if the store still answers: their exits are what counts now."""
+        try:
+            self._poll(wg, drain=drain)
+        except Exception as e:  # a store hosted by another node's agent, gone with its node
+            self._events.emit("reports_unread", error=f"{type(e).__name__}: {e}"[:300])
+
+    def finish_preempted(self) -> tuple[int, str]:
+        """(exit code, line) of a preemption; the workers stopped first if the run did not."""
+        if self.preempt_result is None:
+            self._stop_preempted(self._worker_group)
+        assert self.preempt_result is not None
+        return self.preempt_result
+
+    def _stop_preempted(self, wg: WorkerGroup) -> None:
+        """This node's workers finish their JIT saves within the grace period; then the outcome."""
+        self._preempt.handling = True
+        if self._failure is None:
+            self._failure = Failure(time.time())  # what the workers report from here on
+        killed: list[int] = []
+        if self._pcontext is not None:
+            killed = stop_workers(self._preempt, self._procs(wg), self._failure, exited=self._exited,
+                                  wait=self._wakeup.wait, poll=lambda: self._poll_quietly(wg), events=self._events)
+            self._poll_quietly(wg, drain=True)
+        self.preempt_result = outcome(self._preempt, self._failure, root=self._jit.root,
+                                      shards=set(self._book.local_shards().values()), killed=killed,
+                                      exited=self._exited, events=self._events)
+
     def _abort(self, why: str, line: str) -> None:
         self._remaining_restarts = 0
         self._events.emit("job_abort", why=why)
@@ -302,6 +361,8 @@ class JitAgent(LocalElasticAgent):
     # -- restart --------------------------------------------------------------------
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._preempt.check()
+        self._live = False
         f = self._failure
         spec = worker_group.spec
         restart_count = spec.max_restarts - self._remaining_restarts

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
-import shutil
 import sys
 import time
 import uuid
@@ -23,13 +21,9 @@ from pathlib import Path
 from jitckpt import contract, layout
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
-# --jit-ec-every when not given. A snapshot costs about one minibatch of CPU per rank
-# (save_fn into tmpfs, then pack + encode + place on a background thread), so the
-# worst case is ~1/N: scripts/bench_ec.py --overhead measured 1.1 % (CPU) / 1.05 %
-# (stall + background) at 100 and 1.4-1.9 % at 50 (README, Results). 100 keeps the
-# target (< 2 %) with room for a model whose state is large for its step time; the
-# cost stays 0 for a script without save_fn (nothing to snapshot).
-DEFAULT_EC_EVERY = 100
+from .arg_checks import DEFAULT_EC_EVERY, _check_ec, _check_program, _check_seconds, _check_sizes
+from .preempt import DEFAULT_GRACE_S, EXIT_PREEMPTED, Preempted, Preemption
+
 # --jit-verify-every when not given: the replicas compare state fingerprints (and stage the verified
 # state) every N minibatches. scripts/bench_verify.py (demo LM, 2 ranks, CPU): one check costs about
 # 0.84 of a step's CPU (fingerprint, store exchange, save_fn into tmpfs; N=1 ran at 1.84x the CPU per
@@ -102,6 +96,12 @@ def _add_jit_options(g) -> None:
     g.add_argument("--jit-save-timeout", type=float, default=120.0,
                    help="seconds allowed for the JIT save after detection before giving up on it "
                         "(default 120)")
+    g.add_argument("--jit-preempt-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT (a scheduler's preemption: Slurm's scancel, a pod deletion; Ctrl-C) "
+                        "the workers take the JIT checkpoint of the current minibatch and jitrun exits "
+                        f"{EXIT_PREEMPTED}; saves not done within this many seconds of the signal are killed, and a "
+                        "second signal kills them at once. Keep it under the scheduler's own grace (Slurm KillWait, "
+                        f"Kubernetes terminationGracePeriodSeconds: 30 s by default) (default {DEFAULT_GRACE_S:g})")
     g.add_argument("--jit-health-interval", type=float, default=30.0,  # launcher/devices/health.py
                    help="seconds between NVML health checks of this node's devices while the job runs "
                         "(0: only before each start); a failing device's ranks are migrated or restarted "
@@ -143,47 +143,6 @@ def _add_jit_options(g) -> None:
                         "turns warm start off")
 
 
-def _check_ec(args) -> str | None:
-    """--jit-ec-every / --jit-ec-code."""
-    every = getattr(args, "jit_ec_every", 0)
-    by_default = every is None
-    if by_default:
-        every = args.jit_ec_every = DEFAULT_EC_EVERY
-    if every < 0:
-        return f"--jit-ec-every {every}: expected a number of minibatches >= 0 (0 = no EC snapshots)"
-    from jitckpt import ec_memory, ec_pack, ec_snapshot
-
-    try:
-        code = ec_snapshot.parse_code(getattr(args, "jit_ec_code", "auto"))
-    except ValueError as e:
-        return f"--jit-ec-code: {e}"
-    max_mem = getattr(args, "jit_ec_max_mem", None)
-    if max_mem is not None or every:
-        try:
-            # (bytes, how it was set) for run(): parses, <= MemAvailable and the size of /dev/shm
-            args.ec_cap = ec_memory.resolve_max_mem(max_mem)
-        except ValueError as e:
-            if by_default and max_mem is None:  # nobody asked for EC here: off, said once, no refusal
-                print(f"jitrun: EC snapshots off (the default --jit-ec-every {every} needs a memory cap: {e})",
-                      file=sys.stderr, flush=True)
-                args.jit_ec_every = 0
-                return None
-            return f"--jit-ec-max-mem {e}" if max_mem is not None else f"--jit-ec-every {every}: {e}"
-    if code is None or not every:
-        return None
-    from torch.distributed.run import parse_min_max_nnodes
-
-    try:
-        lo, hi = parse_min_max_nnodes(args.nnodes)
-    except (ValueError, RuntimeError):
-        return None  # _check_sizes says what is wrong with --nnodes
-    k, m = code
-    if lo == hi and hi > 1 and ec_pack.max_node_losses(hi, k, m) == 0:
-        return (f"--jit-ec-code {k}+{m} on {hi} nodes survives no node loss (a node would hold more than {m} "
-                f"chunk(s) of a stripe); use a larger M or omit it for {'+'.join(map(str, ec_pack.default_code(hi)))}")
-    return None
-
-
 def _timeout_arg(raw: str) -> tuple[float, bool]:
     from jitckpt.hang_bound import parse_timeout
 
@@ -191,55 +150,6 @@ def _timeout_arg(raw: str) -> tuple[float, bool]:
         return parse_timeout(raw)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _check_seconds(flag: str, value: float | None) -> str | None:
-    if value is None or (math.isfinite(value) and value > 0):
-        return None
-    return f"{flag} {value:g}: expected a finite number of seconds > 0 (e.g. {flag} 60)"
-
-
-def _check_program(args) -> str | None:
-    prog = args.training_script
-    if args.no_python:
-        if args.module:
-            return ("--no-python and -m/--module exclude each other: -m runs a Python module, "
-                    "--no-python runs a program without Python; drop one of them")
-        if shutil.which(prog) is None:
-            where = "" if os.sep in prog else " on PATH"
-            return (f"--no-python: program {prog!r} not found{where} or not executable; "
-                    "pass its path, or drop --no-python to run a Python script")
-        return None
-    if args.module and not args.run_path:
-        return None  # a module name: the workers' Python resolves it
-    if os.path.isdir(prog):
-        if os.path.isfile(os.path.join(prog, "__main__.py")):
-            return None
-        return (f"training script {prog!r} is a directory without __main__.py; "
-                "pass the path of a Python script, or -m MODULE to run a module")
-    if not os.path.isfile(prog):
-        return (f"training script {prog!r} not found (relative to {os.getcwd()}); "
-                "pass the script's path, or -m MODULE to run a module")
-    return None
-
-
-def _check_sizes(args) -> str | None:
-    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
-
-    try:
-        nproc = determine_local_world_size(args.nproc_per_node)
-    except ValueError as e:
-        return (f"--nproc-per-node {args.nproc_per_node}: {str(e).rstrip('.')}; expected a number of workers "
-                "or one of auto, cpu, gpu, xpu")
-    if nproc < 1:
-        return f"--nproc-per-node {args.nproc_per_node}: expected at least 1 worker"
-    try:
-        lo, hi = parse_min_max_nnodes(args.nnodes)
-    except (ValueError, RuntimeError):
-        lo, hi = 0, -1
-    if not 1 <= lo <= hi:
-        return f"--nnodes {args.nnodes}: expected a number of nodes N >= 1 or a range MIN:MAX, 1 <= MIN <= MAX"
-    return None
 
 
 def check_args(args) -> str | None:
@@ -250,6 +160,7 @@ def check_args(args) -> str | None:
     err = (blank_path_option(args)
            or _check_seconds("--jit-timeout", args.jit_timeout[0] if args.jit_timeout else None)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
+           or _check_seconds("--jit-preempt-grace", getattr(args, "jit_preempt_grace", None))
            or (None if args.jit_health_interval == 0 else
                _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
@@ -367,7 +278,6 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from .devices import scheduler
-    from .jobdir import DirRefused, claim, command_of, identity
 
     # every check before claim_root: a rejected command creates nothing on disk
     err = check_args(args)
@@ -379,6 +289,20 @@ def _run(args) -> int:
     except scheduler.SchedulerError as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM/SIGINT from here on is a preemption (launcher/preempt.py), before torch is imported
+    pre = Preemption(getattr(args, "jit_preempt_grace", DEFAULT_GRACE_S))
+    pre.install()
+    try:
+        return _start(args, sched, pre)
+    except Preempted:
+        print(f"jitrun: preempted ({pre.name}) before the job's workers started; nothing to save; relaunch the same "
+              "command to run it", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+
+
+def _start(args, sched: str, pre: Preemption) -> int:
+    from .jobdir import DirRefused, claim, command_of, identity
+
     job_id = job_id_for(args)
     ident = identity(job_id, command_of(args))
     root = Path(args.jit_dir or Path.cwd() / "jitckpt_runs" / job_id).resolve()
@@ -388,7 +312,7 @@ def _run(args) -> int:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
     try:
-        return _launch(args, root, job_id, ident, sched, lock.release)
+        return _launch(args, root, job_id, ident, sched, lock.release, pre)
     finally:
         lock.release()
 
@@ -399,7 +323,7 @@ def _max_nodes(args) -> int:
     return 1 if args.standalone else parse_min_max_nnodes(args.nnodes)[1]  # checked by check_args
 
 
-def _launch(args, root: Path, job_id: str, ident: str, sched: str, before_exit) -> int:
+def _launch(args, root: Path, job_id: str, ident: str, sched: str, before_exit, pre: Preemption) -> int:
     _previous_run(root, job_id, args.jit_resume)
     _share_rdzv_store()
     timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
@@ -417,7 +341,7 @@ def _launch(args, root: Path, job_id: str, ident: str, sched: str, before_exit) 
 
     rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=args.job_token, timeout_s=timeout,
                 save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
-                timeout_fixed=fixed, identity=ident, before_exit=before_exit,
+                timeout_fixed=fixed, identity=ident, before_exit=before_exit, preempt=pre,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:
         from .shim_events import collect

@@ -19,7 +19,10 @@ rank actually loaded, and the state digest its replicas verified:
 (jitckpt/verifier.py): state_mismatch (replicas hold different states: after a
 restore, refused; during training, rolled back), sdc_suspect (the rank outside
 the majority), state_repaired (taken from the majority in place), verify_off
-(replicas that differ by nature: checks off for the job). A ``recovery``
+(replicas that differ by nature: checks off for the job). preempted: SIGTERM
+or SIGINT stopped the job (launcher/preempt.py: signal, who got it, the step
+saved, the ranks' progress, whether nothing was lost, ranks killed; reports_unread
+if the store was gone by then). A ``recovery``
 record also carries ``fingerprint``: shard -> the digest its replicas agreed on.
 error_file_unusable: a failed worker's error file that was empty, torn,
 unreadable or malformed (``state``), reported without it (error_files.py).
@@ -96,7 +99,7 @@ def summary(events: list[dict]) -> str:
                           "checkpoint_failed", "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
                           "restore_decision", "replica_fetched", "replica_fetch_failed", "replica_fetch_fallback",
                           "state_divergence", "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect",
-                          "state_repaired", "verify_off"):
+                          "state_repaired", "verify_off", "preempted"):
             detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error", "node")}
             where = f"[{e['node']}] " if multi and e.get("node") else ""
             lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")

@@ -26,13 +26,15 @@ from . import rdzv
 from .agent import JitAgent
 from .events import EventLog, summary
 from .options import JitOptions
+from .preempt import Preempted, Preemption, torch_signals
 from .recovery.restore import NodeEvicted
 
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
            timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None,
            health_interval_s: float = 0.0, timeout_fixed: bool = False, identity: str | None = None,
-           before_exit=None) -> int:
+           before_exit=None, preempt: Preemption | None = None) -> int:
+    pre = preempt or Preemption()
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     events = EventLog(root / "events.jsonl")
@@ -47,12 +49,14 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         shutdown_timeout=config.shutdown_timeout,
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
                        save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
-                       health_interval_s=health_interval_s, timeout_fixed=timeout_fixed, identity=identity),
-        events=events)
+                       health_interval_s=health_interval_s, timeout_fixed=timeout_fixed, identity=identity,
+                       preempt_grace_s=pre.grace_s),
+        events=events, preempt=pre)
     code, shutdown_rdzv = 1, True
     try:
         code, shutdown_rdzv = _run(agent, handler, config, cmd, cmd_args, token, sched)
     finally:
+        pre.handling = True  # from here a signal is noted, nothing is interrupted
         agent.announce_hang_bound("at the end")
         stopped = agent.close()
         _close_rendezvous(handler, token, code, shutdown_rdzv)
@@ -64,6 +68,8 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
             _mark_finished(root)
         print(summary(events.events), flush=True)
         print(f"jitrun: timeline in {events.path}", flush=True)
+        if agent.preempt_result is not None:
+            print(agent.preempt_result[1], file=sys.stderr, flush=True)  # the operator's one line, last
     if not stopped:
         # a thread still inside a store call would abort the interpreter's exit
         if before_exit is not None:
@@ -89,7 +95,7 @@ def _worker_spec(config: LaunchConfig, cmd, cmd_args: list) -> WorkerSpec:
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs)
     master_addr, master_port = _get_addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = torch_signals(config.signals_to_handle)
     return WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
@@ -124,6 +130,9 @@ def _run(agent: JitAgent, handler, config: LaunchConfig, cmd, cmd_args: list, to
         return 1, True
     except RendezvousClosedError:
         return _waited_out(handler, token), True
+    except Preempted:
+        # the rendezvous stays open, as torch leaves it on a signal: a preempted node is not the job's end
+        return agent.finish_preempted()[0], False
     except NodeEvicted as e:
         print(e, file=sys.stderr, flush=True)
         return 1, False  # the job goes on without this node: its rendezvous stays open

@@ -22,6 +22,7 @@ class JitOptions:
     health_interval_s: float = 0.0  # NVML checks while the job runs (0: only before each start)
     timeout_fixed: bool = False  # --jit-timeout fixed:S: no learned bound, no hang watch
     identity: str | None = None  # what makes it the same job (cli.job_identity): checked in every manifest
+    preempt_grace_s: float = 15.0  # --jit-preempt-grace (launcher/preempt.py: DEFAULT_GRACE_S)
 
 
 def this_node(local_addr: str | None) -> decide.NodeInfo:

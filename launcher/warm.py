@@ -50,11 +50,24 @@ def start_server(env: dict[str, str] | None = None) -> None:
         return
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    # The server ignores SIGTERM and SIGINT (inherited over its exec: a blocked mask is not,
+    # the spawn resets it): a scheduler's preemption signals every process of the job, and a
+    # server killed by it takes the workers down with it (torch sets their parent-death
+    # signal to SIGINT) in the middle of their JIT save. It still ends when jitrun does (its
+    # alive pipe closes). Its forks inherit SIG_IGN until the worker's runtime puts its own
+    # handlers in (jitckpt/_bootstrap.py). Blocked meanwhile here: a signal for jitrun in
+    # that window stays pending (Linux never drops a blocked one) and reaches its handler.
+    stop = {signal.SIGTERM, signal.SIGINT}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop}
     try:
         _server_env = dict(os.environ)
         multiprocessing.set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
     finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -11,7 +11,9 @@ Main thread only.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,14 @@ class Proc:
     poll: Callable[[], int | None]
     wait: Callable[[], object]
     send: Callable[[int], None] | None = None
+    rank: int = -1
+    # rank -> when this agent last sent it SIGTERM (a request to save): a stop signal a
+    # worker reports before that, or unasked, came from elsewhere (launcher/preempt.py)
+    asked: dict[int, float] | None = None
 
     def signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM and self.asked is not None:
+            self.asked[self.rank] = time.time()
         if self.send is not None:
             self.send(sig)
             return
@@ -51,6 +59,7 @@ class Whereabouts:
     moved: dict[int, object] = field(default_factory=dict)
     ns_pids: dict[int, int] = field(default_factory=dict)
     outputs: dict[int, str] = field(default_factory=dict)
+    asked: dict[int, float] = field(default_factory=dict)  # Proc.asked, this round's (cleared by the agent)
 
     def reset(self, ranks: dict[str, dict]) -> None:
         self.ns_pids = {int(r): w["pid"] for r, w in ranks.items() if w["pid"]}
@@ -69,6 +78,8 @@ class Whereabouts:
                      for lr, p in enumerate(pcontext._pc.processes)}
         for r, remote in self.moved.items():  # its wrapper here ended with the dump
             procs[r] = Proc(getattr(remote, "pid", 0), remote.poll, remote.wait, remote.send)
+        for r, p in procs.items():
+            p.rank, p.asked = r, self.asked
         return procs
 
 

@@ -28,7 +28,9 @@ import argparse
 import math
 import os
 import random
+import signal
 import tempfile
+import threading
 import time
 
 import torch
@@ -187,11 +189,17 @@ def main() -> None:
     ap.add_argument("--rank-drift", action="store_true",
                     help="tests: after every optimizer step each rank nudges one weight by a rank-dependent "
                          "amount, as replicas with nondeterministic kernels drift apart")
+    ap.add_argument("--catch-stop", action="store_true",
+                    help="with --resumable: the script's own SIGTERM/SIGINT handler stops the loop after the "
+                         "current minibatch and the script returns, as HF Trainer and Lightning do on SIGTERM")
     ap.add_argument("--init-log", default=None,
                     help="append 'rank pid' to this file once the set-up ran (how often initialisation ran)")
     args = ap.parse_args()
     if args.loader_workers is not None and not args.resumable:
         ap.error("--loader-workers needs --resumable (the register path has no data-position code)")
+    if args.catch_stop and not args.resumable:
+        ap.error("--catch-stop needs --resumable (a save at the script's end needs the state of the next minibatch "
+                 "start, which the register path's save_fn does not record)")
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -274,6 +282,19 @@ def main() -> None:
     finish(args, rank, model, opt, args.steps - start, t0)
 
 
+def catch_stop(rank: int) -> threading.Event:
+    """The script's own SIGTERM/SIGINT handler (--catch-stop): sets the event the loop checks after
+    each minibatch, as HF Trainer's and Lightning's handlers make the loop stop at a step boundary."""
+    stop = threading.Event()
+
+    def handler(signum, frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
 def train_resumable(args: argparse.Namespace, rank: int, model: nn.Module, ddp: DDP,
                     opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
     """The same training with the one call: no save_fn, no restore code, no
@@ -306,10 +327,14 @@ def train_resumable(args: argparse.Namespace, rank: int, model: nn.Module, ddp: 
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[rank 0] step {step:4d} loss {loss.item():.4f} ppl {math.exp(loss.item()):.1f}", flush=True)
 
+    stop = catch_stop(rank) if args.catch_stop else None
     t0 = time.time()
     if loader is None:
         for step in range(start, args.steps):
             train_step(step, *batch(args.seed, step, rank, args.batch, args.seq, args.vocab))
+            if stop and stop.is_set():
+                print(f"[rank {rank}] stop signal: leaving after minibatch {step}", flush=True)
+                break
     else:
         epoch = state["epoch"]
         while state["step"] < args.steps:

@@ -212,7 +212,7 @@ SwitchType=switch/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
-KillWait=2
+KillWait={kill_wait}
 InactiveLimit=0
 MinJobAge=30
 NodeName=DEFAULT CPUs=1 State=UNKNOWN
@@ -222,8 +222,10 @@ PartitionName=jit Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
 
 
 @contextmanager
-def start(nodes: int = 3, prefix: str = "n") -> Iterator[Cluster]:
-    """Run a cluster with nodes ``{prefix}1..{prefix}{nodes}``, all idle on entry; torn down on exit."""
+def start(nodes: int = 3, prefix: str = "n", kill_wait: int = 2) -> Iterator[Cluster]:
+    """Run a cluster with nodes ``{prefix}1..{prefix}{nodes}``, all idle on entry; torn down on exit.
+    ``kill_wait``: seconds between a cancelled job's SIGTERM and its SIGKILL (Slurm's KillWait;
+    its default is 30, short here so that a test's kills are quick)."""
     ensure_installed()
     if os.geteuid() != 0:
         raise Unavailable("the Slurm test cluster runs slurmd as root (SlurmdUser=root); run the tests as root")
@@ -237,7 +239,8 @@ def start(nodes: int = 3, prefix: str = "n") -> Iterator[Cluster]:
     node_lines = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={base + 2 + i}"
                            for i, n in enumerate(names))
     (d / "slurm.conf").write_text(SLURM_CONF.format(pid=os.getpid(), ctld_port=base, slurmd_port=base + 1, dir=d,
-                                                    nodes=",".join(names), node_lines=node_lines))
+                                                    nodes=",".join(names), node_lines=node_lines,
+                                                    kill_wait=kill_wait))
     # proctrack/linuxproc + task/none use no cgroups; slurmd still reads this file.
     (d / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
     key = d / "munge.key"

@@ -45,6 +45,7 @@ def script(tmp_path: Path) -> str:
 @pytest.mark.parametrize("flag,value", [
     ("--jit-timeout", "nan"), ("--jit-timeout", "inf"), ("--jit-timeout", "0"), ("--jit-timeout", "-1"),
     ("--jit-save-timeout", "-5"), ("--jit-save-timeout", "nan"),
+    ("--jit-preempt-grace", "0"), ("--jit-preempt-grace", "nan"),
 ])
 def test_bad_timeouts(tmp_path, script, flag, value):
     proc = jitrun(tmp_path, "--standalone", "--nproc-per-node", "2", flag, value,

@@ -43,3 +43,30 @@ def test_lightning_killed_rank_resumes_exactly(tmp_path, reference, step):
     assert f"resumed from {jit}" in job.output
     assert "WARNING" not in job.output, job.output[-5000:]  # e.g. a sampler at the wrong epoch
     assert_same_state(reference, out)
+
+
+@pytest.mark.slow
+def test_lightning_preempted_by_a_group_sigterm_resumes_exactly(tmp_path, reference):
+    """SIGTERM to every process of the job (scancel, a pod deletion) in the backward of a
+    mid-epoch minibatch, under the bare launch: both ranks save, jitrun exits 75 with its one
+    line; the same command again resumes there, bit-identical."""
+    out, jit = tmp_path / "final.pt", tmp_path / "jit"
+    cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", "2", "--jit-dir", str(jit), str(SCRIPT),
+           "--out", str(out)]
+    cp = run_tree(cmd, env={"JITCKPT_FAULT": f"rank=0,step={MID_EPOCH},phase=backward,kind=pgterm"}, timeout=300,
+                  cwd=tmp_path)
+    job = Job(cp.returncode, cp.stdout, jit, out)
+    assert job.returncode == 75, job.output[-5000:]
+    # the other rank may finish that minibatch before its watcher runs: it saves the next one's start
+    step = job.of("preempted")[0]["step"]
+    assert step in (MID_EPOCH, MID_EPOCH + 1) and job.of("preempted")[0]["progress"] <= step, job.of("preempted")
+    said = [ln for ln in job.output.splitlines() if ln.startswith("jitrun: preempted")]
+    assert said == [f"jitrun: preempted (SIGTERM) at step {step}; saved; relaunch the same command to resume"], \
+        job.output[-5000:]
+    assert "Traceback" not in job.output and "KeyboardInterrupt" not in job.output, job.output[-5000:]
+    assert {e["rank"]: e["exitcode"] for e in job.of("worker_exit")} == {0: 75, 1: 75}
+    assert step in {e["step"] for e in job.of("checkpoint_saved")} <= {step - 1, step}
+    cp = run_tree(cmd, timeout=300, cwd=tmp_path)
+    assert cp.returncode == 0, cp.stdout[-5000:]
+    assert f"resumed from {jit}" in cp.stdout
+    assert_same_state(reference, out)

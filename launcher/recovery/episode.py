@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
 
+from ..preempt import ASK_AFTER_S, STOP_REASONS
 from ..workers import Proc, is_stopped
 
 
@@ -48,6 +49,9 @@ class Failure:
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
         self.no_space: str | None = None  # a save failed on a full disk (jitckpt/save_space.py): its line
+        # rank -> (reason, t) of its first report of a stop signal (preempt.STOP_REASONS): a preemption
+        # when every rank of the node had one the agent did not send (launcher/preempt.py)
+        self.stop_reports: dict[int, tuple[str, float]] = {}
 
 
 DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
@@ -77,11 +81,12 @@ class Episode:
     ``exited``: rank -> exit code of this node's workers (shared with the
     agent, which clears it at a restart); ``shards``: rank -> shard from the
     reports; ``wait(pids, seconds)`` blocks until one of them exits or a
-    report arrives; ``poll()`` reads new reports into ``f``."""
+    report arrives; ``poll()`` reads new reports into ``f``; ``check()`` may
+    raise to end the episode where it stands (its workers left to the caller)."""
 
     def __init__(self, f: Failure, procs: dict[int, Proc], *, exited: dict[int, int], shards: dict[int, str],
                  timeout_s: float, save_timeout_s: float, wait: Callable[[list[int], float], None],
-                 poll: Callable[[], object], events) -> None:
+                 poll: Callable[[], object], events, check: Callable[[], None] = lambda: None) -> None:
         self.f = f
         self.procs = procs
         self.exited = exited
@@ -91,6 +96,7 @@ class Episode:
         self.wait = wait
         self.poll = poll
         self.events = events
+        self.check = check  # raises to leave the episode (a preemption: launcher/preempt.py)
 
     def run(self) -> None:
         self._ask_and_wait()
@@ -122,11 +128,15 @@ class Episode:
         termed_at = time.monotonic()
         grace_until: float | None = None
         while True:
+            self.check()
             alive = self._note_exits()
             # Ask live workers to save now instead of waiting for their collectives
-            # to time out; a stopped rank keeps it pending and is killed below.
+            # to time out; a stopped rank keeps it pending and is killed below. Not
+            # at once when the failure so far is stop signals: a preemption's reaches
+            # every rank, and each must say it got it before it is asked (preempt.py).
+            hold = self._stop_signals_only() and time.monotonic() - termed_at < ASK_AFTER_S
             for r in alive:
-                if r not in termed:
+                if r not in termed and not hold:
                     termed.add(r)
                     self.procs[r].signal(signal.SIGTERM)
             if not alive:
@@ -147,6 +157,9 @@ class Episode:
                 return
             self.wait([self.procs[r].pid for r in alive if self.procs[r].pid], 0.1)
             self.poll()
+
+    def _stop_signals_only(self) -> bool:
+        return bool(self.f.reasons) and all(why in STOP_REASONS for why in self.f.reasons.values())
 
     def _kill_the_rest(self) -> None:
         f = self.f

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ..preempt import STOP_REASONS
 from .episode import Failure
 
 
@@ -122,6 +123,8 @@ class ReportBook:
                 f.rank_step[rank] = int(m["step"])
         if ev == "failure_detected":
             f.detected_t = min(f.detected_t, m["t"])
+            if m.get("reason") in STOP_REASONS and rank not in f.stop_reports:
+                f.stop_reports[rank] = (m["reason"], m["t"])
             f.reasons.setdefault(rank, m.get("reason", "?"))
             if m.get("reason") == "sdc_suspect":  # outranks the SIGTERM the episode may have sent it first
                 f.reasons[rank] = "sdc_suspect"
