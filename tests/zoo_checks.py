@@ -9,6 +9,7 @@ logs, ``<attempt> <step>`` per optimizer step)."""
 from __future__ import annotations
 
 import fcntl
+import re
 import shutil
 import sys
 import tempfile
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from compare_state import diff_states
 from conftest import Job, _run_wide_dir, assert_same_state, run_reference, run_tree
 
 from jitckpt.config import EXIT_SAVED
@@ -139,7 +142,27 @@ def check_steps(job: Job, log: Path, fault: Fault, total_steps: int) -> None:
         assert len(redone) <= 1, (r, sorted(redone), job.output[-3000:])
 
 
-def check_recovered(job: Job, ref: Path, log: Path, fault: Fault, total_steps: int) -> None:
+# BatchNorm running statistics: under DDP(broadcast_buffers=False) each rank's own
+RANK_LOCAL = re.compile(r"^model\..*\.running_(mean|var)$")
+
+
+def assert_same_state_but_lost_statistics(ref: Path, out: Path) -> None:
+    """Under ``broadcast_buffers=False`` the failed rank's BatchNorm running
+    statistics died with it (no replica holds them: a peer's are of other
+    data), so after the restore they are the survivor's, and stay different
+    from the reference: everything else of that rank must still be
+    bit-identical, the statistics finite."""
+    n, diffs = diff_states(str(ref), str(out))
+    other = [d for d in diffs if not (d.startswith("differs: ") and RANK_LOCAL.match(d[len("differs: "):]))]
+    assert n > 10 and not other, other[:10]
+    st = torch.load(out, weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for k, v in st.items() if RANK_LOCAL.match(f"model.{k}")), out
+
+
+def check_recovered(job: Job, ref: Path, log: Path, fault: Fault, total_steps: int,
+                    rank_local_buffers: bool = False) -> None:
+    """``rank_local_buffers``: the model keeps BatchNorm statistics per rank
+    (``broadcast_buffers=False``); the failed rank's are then not compared."""
     text = job.output[-6000:]
     check_exits(job, fault)
     check_fired(job, fault)
@@ -149,7 +172,10 @@ def check_recovered(job: Job, ref: Path, log: Path, fault: Fault, total_steps: i
     assert rec[0]["redone_minibatches"] is not None and rec[0]["redone_minibatches"] <= 1, rec
     check_steps(job, log, fault, total_steps)
     for r in range(NPROC):
+        compare = assert_same_state
+        if rank_local_buffers and r == fault.rank:
+            compare = assert_same_state_but_lost_statistics
         try:
-            assert_same_state(Path(f"{ref}.rank{r}.pt"), Path(f"{job.out}.rank{r}.pt"))
+            compare(Path(f"{ref}.rank{r}.pt"), Path(f"{job.out}.rank{r}.pt"))
         except AssertionError as e:  # the run's own account, to tell a wrong restore from a wrong redo
             raise AssertionError(f"rank {r}: {e}\n--- jitrun output ---\n{text}") from None
