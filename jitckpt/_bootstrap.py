@@ -119,8 +119,9 @@ def attach() -> None:
     script. The end of the process is the interpreter's, and no "finished"
     report is sent: an atexit handler cannot tell a clean end from
     ``sys.exit(1)``; the agent learns it from the exit code instead."""
-    from . import api
+    from . import api, parent_death
 
+    parent_death.bind_worker()
     api.install()
     _set_title(sys.argv if sys.argv and sys.argv[0] else ["python"])
     _keep_groups()
@@ -128,8 +129,10 @@ def attach() -> None:
 
 
 def main() -> NoReturn:
-    from . import api
+    from . import api, parent_death
 
+    if not sys.modules.get("jitckpt._server_bind"):  # a fork of the warm server was bound in worker_main
+        parent_death.bind_worker()
     rt = api.install()
     argv = sys.argv[1:]
     if not argv:
@@ -200,15 +203,18 @@ def _set_title(argv: list[str]) -> None:
 
 
 def _record_error(e: BaseException) -> None:
-    """The error file torchrun's failure summary reads (what @record writes)."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """The error file torchrun's failure summary reads (what @record writes),
+    complete or absent: the agent SIGTERMs a failing worker while it writes it
+    when another rank failed first (jitckpt/error_file.py)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        from .error_file import write
 
-        get_error_handler().record_exception(e)
-    except Exception:
-        pass
+        write(path, e)
+    except Exception as err:  # the failure itself still ends the process with exit 1
+        print(f"[jitckpt] could not write the error file {path}: {type(err).__name__}: {err}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def get_checkpoint_path() -> str | None:
         from . import ec_restore
 
         ec_restore.restore(rt)
-    replicas, rejected = layout.scan(cfg.root, cfg.job_id or None)
+    replicas, rejected = layout.scan(cfg.root, cfg.job_id or None, cfg.identity or None)
     for path, why in rejected:
         print(f"[jitckpt] rank {cfg.rank}: ignoring {path}: {why}", file=sys.stderr)
     env_step = contract.RESTORE_STEP.get().strip()

@@ -14,6 +14,7 @@ Main thread, except ``beat`` (the watcher thread).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,18 @@ def group_key(group: object) -> str:
         return WORLD
     name = getattr(group, "group_name", None)
     return name if isinstance(name, str) and name else f"group-{id(group)}"
+
+
+def open_waits(root: Path, rank: int, attempt: int, rule: Rule) -> Waits | None:
+    """The rank's Waits, or None (said in one line) when its status record
+    cannot be created: the agent then has no hang record of this rank."""
+    try:
+        return Waits(root, rank, attempt, rule)
+    except OSError as e:
+        print(f"[jitckpt] rank {rank}: no hang watch for this rank: cannot create its status record in "
+              f"{root} ({e.strerror or e}); free space there or pass --jit-dir on a larger disk",
+              file=sys.stderr, flush=True)
+        return None
 
 
 class Waits:

@@ -35,6 +35,7 @@ class WorkerConfig:
     fault_spec: str
     attempt: int = 0  # job-wide (the rendezvous round under jitrun), same on every node
     report_stream: str = ""  # its node's report stream, read by that node's agent
+    identity: str = ""  # what makes it the same job (recorded in, and checked against, every manifest)
 
     @property
     def managed(self) -> bool:
@@ -59,4 +60,5 @@ def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
         store_addr=addr,
         fault_spec=contract.FAULT.get(env),
         report_stream=contract.REPORT_STREAM.get(env),
+        identity=contract.JOB_IDENTITY.get(env),
     )

@@ -73,6 +73,9 @@ def _path(raw: str) -> Path:
 # -- launcher -> worker ----------------------------------------------------------------------------
 DIR = Var[Path | None]("JITCKPT_DIR", _path, None, "the job's jit dir on this node; set only under jitrun")
 JOB_ID = Var("JITCKPT_JOB_ID", str, "", "the job's identity (the rendezvous id, else a hash of the command)")
+JOB_IDENTITY = Var("JITCKPT_JOB_IDENTITY", str, "",
+                   "what makes it the same job: a digest of the job id, the script and its arguments")
+AGENT_PID = Var("JITCKPT_AGENT_PID", int, 0, "the PID of the worker's jitrun agent: its death ends the worker")
 TOKEN = Var("JITCKPT_TOKEN", str, "", "the job's secret: key names and seals of every record in the store")
 TIMEOUT = Var("JITCKPT_TIMEOUT", float, DEFAULT_TIMEOUT_S,
               "ceiling of the learned hang bound; with TIMEOUT_FIXED the fixed seconds a collective may hang")

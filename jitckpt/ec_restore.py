@@ -183,7 +183,7 @@ def _publish(rt: Runtime, step: int, buf) -> None:
         try:
             ec_pack.unpack(buf, tmpdir)
             layout.publish(tmpdir, root=cfg.root, step=step, shard=rt.shard, rank=cfg.rank,
-                           world_size=cfg.world_size, job_id=cfg.job_id,
+                           world_size=cfg.world_size, job_id=cfg.job_id, identity=cfg.identity or None,
                            extra={"progress_step": step, "point": "minibatch-start", "source": "ec"})
         except BaseException:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -13,8 +13,10 @@ keys:
            reported it finished, as the process ends). Default 0.
   phase    forward | backward | allreduce | optimizer | save | restore | exit
   kind     sigkill | sigstop | sigterm | sigint | sigsegv | abort | exception |
-           hang | lose | exit | stale | swap | bitflip
+           hang | lose | exit | errfile | stale | swap | bitflip
            (signals are sent by the rank to itself; abort = os.abort();
+           errfile = leaves its error file (TORCHELASTIC_ERROR_FILE) empty, as
+           a worker killed while torch's handler writes it does, then sigkill;
            hang = blocks forever while holding the GIL; lose = waits in a
            collective nobody completes (a recv from the next rank, which
            never sends: on every rank at the same step, a lost collective);
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "save", "restore", "exit")
 KINDS = ("sigkill", "sigstop", "sigterm", "sigint", "sigsegv", "abort", "exception", "hang", "lose", "exit",
-         "stale", "swap", "bitflip")
+         "errfile", "stale", "swap", "bitflip")
 TARGETS = ("param", "optim")
 EXIT_INJECTED = 13
 
@@ -174,6 +176,11 @@ def execute(kind: str, where: str) -> None:
         dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())
     elif kind == "exit":
         os._exit(EXIT_INJECTED)
+    elif kind == "errfile":
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))  # open(path, "w"), nothing written
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Injector:

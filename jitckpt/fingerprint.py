@@ -128,25 +128,38 @@ def compute(items: Iterable[tuple[str, Any]]) -> Fingerprint:
     return Fingerprint(tuple(names), sums, h.hexdigest())
 
 
-def _buffers_resynced(model: Any) -> bool:
-    return bool(getattr(model, "broadcast_buffers", False)) and hasattr(model, "reducer")
+def _buffer_items(model: Any, captured: bool) -> list[tuple[str, Any]] | None:
+    """A DDP model's buffers as the replicas hold them in common: with broadcast_buffers, the
+    values captured at the minibatch start, after DDP's broadcast (buffers.py; between two
+    forwards each rank's live BatchNorm statistics are of its own batch); without it, none
+    (they differ per rank by design). None: not a DDP model, its live buffers are taken."""
+    if not hasattr(model, "reducer"):
+        return None
+    if not getattr(model, "broadcast_buffers", False):
+        return []
+    from . import buffers
+
+    mirror = buffers.for_model(model)
+    if mirror is None or not captured:
+        return [(n, b) for n, b in model.named_buffers()]
+    return [(f"module.{n}", b) for n, b in mirror.values()]
 
 
-def state_items(models: Iterable[Any], optimizers: Iterable[Any]) -> list[tuple[str, Any]]:
+def state_items(models: Iterable[Any], optimizers: Iterable[Any], captured: bool = True) -> list[tuple[str, Any]]:
     """``(name, value)`` of every model's parameters and buffers, then every optimizer's groups
     and state, in a fixed order; a tensor reached twice (a model's parameter in an optimizer)
-    is taken once, named after the model."""
+    is taken once, named after the model. ``captured``: a DDP model's buffers as captured at
+    the minibatch start (the replicas' common values) rather than the live tensors."""
     models = list(models)
     items: list[tuple[str, Any]] = []
-    # a DDP model's buffers with broadcast_buffers are rank 0's at every forward and legitimately
-    # differ in between (BatchNorm statistics of the local batch): not part of the replicated state
-    named: dict[int, str] = {id(b): "" for m in models if _buffers_resynced(m) for b in m.buffers()}
+    named: dict[int, str] = {}
     for i, m in enumerate(models):
         for n, p in m.named_parameters():
             if id(p) not in named:
                 named[id(p)] = f"m{i}.{n}"
                 items.append((named[id(p)], p))
-        for n, b in m.named_buffers():
+        bufs = _buffer_items(m, captured)
+        for n, b in (m.named_buffers() if bufs is None else bufs):
             if id(b) not in named:
                 named[id(b)] = f"m{i}.{n}"
                 items.append((named[id(b)], b))
@@ -167,4 +180,4 @@ def state_items(models: Iterable[Any], optimizers: Iterable[Any]) -> list[tuple[
 
 def tensors_by_name(models: Iterable[Any], optimizers: Iterable[Any]) -> dict[str, torch.Tensor]:
     """The tensors of ``state_items`` by name (for a repair in place)."""
-    return {n: v for n, v in state_items(models, optimizers) if isinstance(v, torch.Tensor)}
+    return {n: v for n, v in state_items(models, optimizers, captured=False) if isinstance(v, torch.Tensor)}

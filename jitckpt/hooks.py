@@ -41,8 +41,9 @@ import threading
 from datetime import timedelta
 
 from . import contract
+from .collective_errors import find_collective_error, is_collective_error
 from .config import shim_preloaded
-from .runtime import Phase, Runtime, find_collective_error, is_collective_error
+from .runtime import Phase, Runtime
 
 _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -214,15 +215,41 @@ def _hook_ddp_init(rt: Runtime, DDP) -> None:
     @functools.wraps(orig_init)
     def ddp_init(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
-        self.register_forward_pre_hook(lambda mod, inp: rt.on_forward())
-        from . import tracked
+        from . import buffers, tracked
         from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
 
+        mirror = buffers.add(self.module, synced_by=self)
+        # The minibatch start before DDP's forward (its collectives may fail), the buffers'
+        # capture and the rest of the start inside it, after DDP's buffer broadcast.
+        self.register_forward_pre_hook(functools.partial(_ddp_forward, rt))
+        self.module.register_forward_pre_hook(functools.partial(_module_forward, rt, mirror))
         track_ddp(self)
         tracked.add_model(self)  # the state the replicas compare (verifier.py)
+        buffers.announce_unsynced(self, rt.cfg.rank)
 
     ddp_init.__jitckpt_wrapped__ = orig_init
     DDP.__init__ = ddp_init
+
+
+def _training(mod) -> bool:
+    """A forward that can start a minibatch: grad enabled and the module in training mode
+    (evaluation passes, EMA evaluation and logging forwards do not)."""
+    import torch
+
+    return mod.training and torch.is_grad_enabled()
+
+
+def _ddp_forward(rt: Runtime, mod, inp) -> None:
+    if _training(mod):
+        rt.on_forward(body_follows=True)
+
+
+def _module_forward(rt: Runtime, mirror, mod, inp) -> None:
+    if not _training(mod):
+        return
+    if mirror.captured_at != rt.steps_done:  # the first forward of a minibatch (not a later micro-batch)
+        mirror.capture(rt.steps_done)
+    rt.on_forward_body()
 
 
 def _isolate_attempts(attempt: int) -> None:

@@ -165,12 +165,16 @@ def _list_files(d: Path) -> list[str]:
 # --- job ownership -----------------------------------------------------------
 
 
-def claim_root(root: Path, job_id: str) -> None:
-    """Create/validate the jit dir for ``job_id``.
+def claim_root(root: Path, job_id: str, identity: str | None = None, command: list[str] | None = None,
+               *, record: bool = True) -> None:
+    """Create/validate the jit dir for the job ``job_id`` run as ``identity``
+    (what makes two runs the same job: the job id, the script and its
+    arguments; ``command`` is what the refusal shows of it).
 
     Raises CheckpointDirError with what to do when the directory is not
     writable or belongs to another job: silently mixing two jobs' checkpoints
-    would restore the wrong model.
+    would restore the wrong model. ``record``: write ``job.json`` when absent
+    (jitrun does it holding the jit dir's lock, launcher/joblock.py).
     """
     try:
         makedirs_private(root.parent)
@@ -188,32 +192,61 @@ def claim_root(root: Path, job_id: str) -> None:
         ) from None
     job_file = root / JOB_FILE
     if job_file.exists():
-        try:
-            owner = json.loads(job_file.read_text())["job_id"]
-        except (OSError, ValueError, KeyError, TypeError):
+        owner = _read_owner(job_file)
+        if owner["job_id"] != job_id:
             raise CheckpointDirError(
-                f"{job_file} is unreadable or malformed; remove it or pass another --jit-dir"
-            ) from None
-        if owner != job_id:
-            try:
-                steps = sorted(int(m.group(1)) for e in os.scandir(root / "ckpt")
-                               if (m := _STEP_RE.match(e.name)))
-            except OSError:
-                steps = []
-            held = ""
-            if steps:
-                shown = ", ".join(map(str, steps[-5:]))
-                held = (f" and holds its checkpoints (step{'s' if len(steps) > 1 else ''} "
-                        f"{'..., ' if len(steps) > 5 else ''}{shown})")
+                f"jit dir {str(root)!r} belongs to job {owner['job_id']!r} (its {JOB_FILE}){_held(root)}, not to "
+                f"this job {job_id!r}; pass a fresh --jit-dir, or --rdzv-id {owner['job_id']} with that job's "
+                "command to resume that job")
+        theirs = owner.get("identity")
+        if identity is not None and theirs is not None and theirs != identity:
+            shown = " ".join(owner.get("command") or []) or "another command"
             raise CheckpointDirError(
-                f"jit dir {str(root)!r} belongs to job {owner!r} (its {JOB_FILE}){held}, not to "
-                f"this job {job_id!r}; pass a fresh --jit-dir, or --rdzv-id {owner} to resume that job"
-            )
+                f"jit dir {str(root)!r} belongs to job {job_id!r} run as `{shown}`{_held(root)}; this command "
+                f"(`{' '.join(command or [])}`) is another job with the same id. Pass a fresh --jit-dir, or run "
+                "that job's command to resume it")
+        if record and identity is not None and theirs is None:  # written before identities: adopt it
+            _write_owner(job_file, {**owner, "identity": identity, "command": list(command or [])})
         return
-    atomic_write_bytes(
-        job_file,
-        json.dumps({"job_id": job_id, "created": time.time(), "format": FORMAT_VERSION}).encode(),
-    )
+    if record:
+        _write_owner(job_file, {"job_id": job_id, "identity": identity, "command": list(command or []),
+                                "created": time.time(), "format": FORMAT_VERSION})
+
+
+def _read_owner(job_file: Path) -> dict:
+    try:
+        owner = json.loads(job_file.read_text())
+        if not isinstance(owner, dict) or not isinstance(owner["job_id"], str):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointDirError(
+            f"{job_file} is unreadable or malformed; remove it or pass another --jit-dir"
+        ) from None
+    return owner
+
+
+def _write_owner(job_file: Path, doc: dict) -> None:
+    atomic_write_bytes(job_file, json.dumps({k: v for k, v in doc.items() if v is not None}).encode())
+
+
+def _held(root: Path) -> str:
+    """' and holds its checkpoints (steps ...)' for a refusal, or ''."""
+    try:
+        steps = sorted(int(m.group(1)) for e in os.scandir(root / "ckpt") if (m := _STEP_RE.match(e.name)))
+    except OSError:
+        steps = []
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[-5:]))
+    return (f" and holds its checkpoints (step{'s' if len(steps) > 1 else ''} "
+            f"{'..., ' if len(steps) > 5 else ''}{shown})")
+
+
+def read_identity(root: Path) -> str | None:
+    try:
+        return json.loads((root / JOB_FILE).read_text()).get("identity")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 RANKS_FILE = "ranks.json"
@@ -299,6 +332,15 @@ def read_job_id(root: Path) -> str | None:
 # --- writing -----------------------------------------------------------------
 
 
+def remove_staging(root: Path, pids: dict[int, int]) -> None:
+    """Remove the staging dirs of ranks -> PIDs whose process is gone (its save died with it)."""
+    for rank, pid in pids.items():
+        if _alive(pid):
+            continue
+        for d in (root / "ckpt").glob(f"step-*/shard-*/.tmp-rank-{int(rank)}-{int(pid)}"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def staging_dir(root: Path, step: int, shard: str, rank: int) -> Path:
     final = replica_dir(root, step, shard, rank)
     makedirs_private(final.parent)
@@ -310,7 +352,7 @@ def staging_dir(root: Path, step: int, shard: str, rank: int) -> Path:
 
 
 def publish(tmp: Path, *, root: Path, step: int, shard: str, rank: int, world_size: int,
-            job_id: str, extra: dict | None = None) -> Path:
+            job_id: str, extra: dict | None = None, identity: str | None = None) -> Path:
     """Checksum the staged files, write the manifest last, rename into place."""
     files = {}
     for rel in _list_files(tmp):
@@ -327,6 +369,7 @@ def publish(tmp: Path, *, root: Path, step: int, shard: str, rank: int, world_si
     manifest = {
         "format": FORMAT_VERSION,
         "job_id": job_id,
+        **({"job_identity": identity} if identity else {}),
         "step": step,
         "rank": rank,
         "shard": shard,
@@ -354,7 +397,7 @@ def publish(tmp: Path, *, root: Path, step: int, shard: str, rank: int, world_si
 # --- reading -----------------------------------------------------------------
 
 
-def verify(path: Path, job_id: str | None = None) -> Replica | str:
+def verify(path: Path, job_id: str | None = None, identity: str | None = None) -> Replica | str:
     """Return the Replica if ``path`` is complete and intact, else why not."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -363,17 +406,23 @@ def verify(path: Path, job_id: str | None = None) -> Replica | str:
     except (OSError, ValueError) as e:
         return f"unreadable manifest: {e}"
     try:
-        return _verify_manifest(path, manifest, job_id)
+        return _verify_manifest(path, manifest, job_id, identity)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         # a damaged manifest must reject this replica, never stop the scan
         return f"malformed manifest: {e!r}"
 
 
-def _verify_manifest(path: Path, manifest: dict, job_id: str | None) -> Replica | str:
+def _verify_manifest(path: Path, manifest: dict, job_id: str | None, identity: str | None) -> Replica | str:
     if manifest.get("format") != FORMAT_VERSION or manifest.get("complete") is not True:
         return "manifest not marked complete"
     if job_id is not None and manifest.get("job_id") != job_id:
         return f"belongs to job {manifest.get('job_id')!r}"
+    # a manifest written before identities were recorded has none: the job id and the jit dir's
+    # owner (job.json, checked with the identity by every jitrun) vouch for it
+    theirs = manifest.get("job_identity")
+    if identity and theirs is not None and theirs != identity:
+        return (f"saved by another run of job {manifest.get('job_id')!r} (identity {theirs}, this run's "
+                f"{identity}: another script or other arguments)")
     if manifest.get("step_unverified"):
         return ("step label unverified: saved at a collective after optimizer step "
                 f"{manifest.get('step')} with no minibatch start in between, and save_fn did not call "
@@ -392,7 +441,8 @@ def _verify_manifest(path: Path, manifest: dict, job_id: str | None) -> Replica 
                    saved_at=float(manifest["saved_at"]))
 
 
-def scan(root: Path, job_id: str | None = None) -> tuple[list[Replica], list[tuple[Path, str]]]:
+def scan(root: Path, job_id: str | None = None, identity: str | None = None
+         ) -> tuple[list[Replica], list[tuple[Path, str]]]:
     """All verified replicas under root, plus (path, reason) for rejected ones."""
     good: list[Replica] = []
     bad: list[tuple[Path, str]] = []
@@ -411,7 +461,7 @@ def scan(root: Path, job_id: str | None = None) -> tuple[list[Replica], list[tup
                     continue
                 if not _RANK_RE.match(rank_d.name):
                     continue
-                r = verify(rank_d, job_id)
+                r = verify(rank_d, job_id, identity)
                 (good.append(r) if isinstance(r, Replica) else bad.append((rank_d, r)))
     return good, bad
 

@@ -45,8 +45,9 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-from . import auth
+from . import auth, contract
 
 RESUME = "resume-{gen}.json"
 PAUSED = "paused-{gen}.json"
@@ -445,3 +446,45 @@ def _wait_resume_file(ctl: Path, gen: int, timeout: float | None, stop: Callable
         if res.get("failed"):
             raise MigrationFailed(f"migration {gen} failed: {res['failed']}")
         return res
+
+
+def migration_point(rt: Any) -> None:
+    """jitrun migrate (launcher/migrate.py): at a minibatch start nothing is in flight,
+    so the process groups can go, the moving ranks be dumped and restored elsewhere
+    and every rank rebuild. A migration that fails turns into a JIT save here (the
+    caller's deferred-save check runs next), so the restart loses nothing."""
+    from .report import for_worker
+
+    def before_close(gen: int, req: dict) -> None:
+        rt.report("migrating", gen=gen, step=rt.steps_done, to=req.get("to"), pid=os.getpid(),
+                  ctl=str(_migration_ctl(rt)))
+        stores.append(rt.reporter._store)
+        rt.reporter = None  # its connection must not survive into the dump
+
+    stores: list = []
+    try:
+        got = at_minibatch_start(rt._migration, rt.cfg.rank, rt.cfg.world_size, _migration_ctl(rt),
+                                 step=rt.steps_done, stores=stores, before_close=before_close,
+                                 stop=lambda: rt.deferred)
+    except MigrationFailed as e:
+        if rt.reporter is None:
+            rt.reporter = for_worker(rt.cfg)
+        with rt._lock:
+            if rt.deferred is None:
+                rt.deferred = f"migration failed: {e}"
+        rt.report("failure_detected", reason="migration_failed", phase=rt.phase.value,
+                  step=rt.steps_done, error=str(e), minibatch_s=rt.minibatch_s())
+        return
+    if got is None:
+        return
+    gen, req, store, watch = got
+    rt._migration = watch
+    if store is not None:  # this rank moved: its new store client
+        rt.reporter = for_worker(rt.cfg, store)
+    digest = rt.verifier.after_migration(gen) if rt.verifier is not None else None
+    rt.report("migrated" if store is not None else "migration_resumed", gen=gen, step=rt.steps_done,
+              pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)
+
+
+def _migration_ctl(rt: Any) -> Path:
+    return Path(rt.cfg.root or ".") / "migrate" / "ctl"

@@ -63,7 +63,8 @@ class Status:
 
 class StatusWriter:
     """The rank's side. Not thread-safe for the body: the main thread writes
-    it; ``beat`` may come from any one other thread."""
+    it; ``beat`` may come from any one other thread. Raises OSError when the
+    record cannot be created with its blocks allocated (a full disk)."""
 
     def __init__(self, root: Path, rank: int, attempt: int) -> None:
         p = path_of(root, rank)
@@ -71,10 +72,15 @@ class StatusWriter:
         tmp = p.with_name(f".{p.name}.{os.getpid()}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, SIZE)
+            # the blocks allocated now (not a sparse ftruncate): a store into a mapped page that the
+            # disk cannot back is a SIGBUS, which on a full tmpfs would end the rank
+            os.posix_fallocate(fd, 0, SIZE)
             self._m = mmap.mmap(fd, SIZE)
-        finally:
+        except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         _HEAD.pack_into(self._m, 0, MAGIC, os.getpid() & 0xFFFFFFFF, attempt)
         self._gen = 0
         self.seq = 0

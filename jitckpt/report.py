@@ -24,6 +24,7 @@ reports of every other rank behind it).
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -194,3 +195,17 @@ class _Cursor:
         msg = self._auth.open(key, raw, f"report {self._stream.name or 'job'}/{seq}", REPORT)
         if msg is not None and msg["event"] != WAKE:
             out.append(msg)
+
+
+def process_start_time() -> float | None:
+    """When this process was created (unix seconds, 10 ms resolution): for a
+    forked warm worker the fork, for a fresh one the exec, before Python's own
+    start-up."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        # /proc/stat's btime has 1 s resolution; the boot clock does not
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError):
+        return None

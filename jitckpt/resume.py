@@ -7,8 +7,9 @@ them at the minibatch boundary the runtime detects:
 
 * RNG states (torch CPU, CUDA when initialised, numpy's global generator when
   numpy is imported, ``random``) are snapshotted at the start of every
-  minibatch (the first DDP forward / backward / collective after an optimizer
-  step, i.e. the JIT save's consistent point) and, after a restart, restored at
+  minibatch (the first *training* DDP forward or backward after an optimizer
+  step, i.e. the JIT save's consistent point; a collective in between stands
+  in for it provisionally, docs/recovery.md) and, after a restart, restored at
   that same point of the first resumed minibatch. Whatever the script draws in
   between (a DataLoader iterator's ``_base_seed``, a RandomSampler's seed) is
   drawn from the same states as in the original run and cannot shift them.
@@ -25,22 +26,31 @@ them at the minibatch boundary the runtime detects:
   ``StatefulDataLoader``) is asked for its own state instead, at the same points.
 
 Model parameters, optimizer, scheduler and scaler states need no snapshot:
-the runtime saves before the next optimizer step writes them (runtime.py).
+the runtime saves before the next optimizer step writes them (runtime.py),
+and puts back the buffers the minibatch's forward wrote (buffers.py). At a
+provisional start the schedulers' state and the optimizers' hyper-parameters
+are copied (``_hyper``): a ``scheduler.step()`` between epochs may follow it.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import random
-import sys
 import threading
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from . import api
+from .resume_data import (
+    _is_lookahead_adapter,
+    _LoaderTracker,
+    _LookaheadTracker,
+    _portable,
+    _rng_restore,
+    _rng_snapshot,
+    _StatefulLoaderTracker,
+)
 
 STATE_FILE = "jitckpt_state.pt"
 _FORMAT = 1
@@ -71,265 +81,6 @@ def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-# -- RNG ---------------------------------------------------------------------
-
-
-def _rng_snapshot() -> dict:
-    snap: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
-    # Only when CUDA is already initialised: asking earlier would initialise it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        snap["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        # the bulk of this function's ~70 us per minibatch; converted only when saved (_portable)
-        snap["numpy"] = np.random.get_state()
-    return snap
-
-
-def _portable(snap: dict) -> dict:
-    """The snapshot as weights_only=True can load it: numpy's key array as a tensor."""
-    if "numpy" not in snap or isinstance(snap["numpy"][1], torch.Tensor):
-        return snap
-    name, keys, pos, has_gauss, gauss = snap["numpy"]
-    return {**snap, "numpy": (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss),
-                              float(gauss))}
-
-
-def _rng_restore(snap: Mapping) -> None:
-    torch.set_rng_state(snap["torch"])
-    random.setstate(_tuplify(snap["random"]))
-    if "cuda" in snap and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(snap["cuda"])
-    if "numpy" in snap:
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = snap["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-
-
-def _tuplify(x: Any) -> Any:
-    # random.setstate wants the nested tuples back (a round trip may give lists)
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# -- data position -----------------------------------------------------------
-
-
-class _SkipSampler:
-    """The loader's index sampler, skipping the items (batches of indices
-    under auto-collation) that ``_LoaderTracker.new_iterator`` asks for while
-    it creates an iterator. Only indices are
-    drawn for the skipped part: no sample is loaded. ``len`` stays the
-    sampler's, so ``len(loader)`` keeps meaning batches per epoch."""
-
-    def __init__(self, base: Any, loader: Any) -> None:
-        self.base = base
-        self.loader = loader
-
-    def __iter__(self) -> Iterator:
-        # Read, not popped: a multi-worker iterator calls iter() on its index
-        # sampler twice while it is created (__init__, then _reset).
-        return self._skipping(self.loader.__dict__.get("_jitckpt_skip", 0))
-
-    def _skipping(self, skip: int) -> Iterator:
-        # A generator, so nothing is drawn before the first batch is asked for:
-        # a RandomSampler draws its seed from the global RNG on its first item,
-        # which in the original run came after the iterator drew _base_seed.
-        it = iter(self.base)
-        for _ in range(skip):
-            if next(it, _END) is _END:
-                return
-        yield from it
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("base", "loader"):  # not set yet (copy/unpickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
-
-_END = object()
-
-
-class _EpochRecord:
-    """One iterator of a tracked loader: the RNG and generator states at its
-    creation, batches it yielded, and batches whose optimizer step is done."""
-
-    __slots__ = ("rng", "gens", "epoch", "yielded", "consumed")
-
-    def __init__(self, rng: torch.Tensor, gens: list[torch.Tensor], epoch: int | None, skipped: int) -> None:
-        self.rng, self.gens, self.epoch = rng, gens, epoch
-        self.yielded = self.consumed = skipped
-
-
-class _CountingIter:
-    """The loader's iterator, counting the batches it hands out."""
-
-    def __init__(self, it: Any, rec: _EpochRecord) -> None:
-        self._it, self._rec = it, rec
-
-    def __iter__(self) -> _CountingIter:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._it)
-        self._rec.yielded += 1
-        return item
-
-    def __len__(self) -> int:
-        return len(self._it)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("_it", "_rec"):
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-
-def _generators(loader: Any) -> list[torch.Generator]:
-    """Every torch.Generator the loader's order depends on, each once, in a
-    fixed order: its own and those of its samplers, followed through
-    ``sampler`` / ``batch_sampler`` a few levels deep (Accelerate's
-    BatchSamplerShard wraps a BatchSampler that holds the RandomSampler)."""
-    found: list[torch.Generator] = []
-
-    def walk(owner: Any, depth: int) -> None:
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-        if depth < 3:
-            for attr in ("sampler", "batch_sampler"):
-                child = getattr(owner, attr, None)
-                if child is not None and child is not owner:
-                    walk(child, depth + 1)
-
-    walk(loader, 0)
-    return found
-
-
-class _LoaderTracker:
-    """Data position of one plain DataLoader (see the module docstring)."""
-
-    def __init__(self, loader: Any, session: _Session) -> None:
-        self.loader = loader
-        self.session = session
-        self.current: _EpochRecord | None = None
-        self.resume: dict | None = None  # position to restore, until the first resumed minibatch
-        cls = type(loader)
-        tracker = self
-
-        def __iter__(self):  # noqa: N807 - becomes the loader's __iter__
-            return tracker.new_iterator(lambda: cls.__iter__(self))
-
-        def _index_sampler(self):
-            return _SkipSampler(cls._index_sampler.fget(self), self)
-
-        # A per-instance subclass: Python looks __iter__ up on the type, and
-        # DataLoader forbids reassigning sampler/batch_sampler after __init__.
-        loader.__class__ = type(cls.__name__, (cls,), {
-            "__iter__": __iter__, "_index_sampler": property(_index_sampler),
-            "__module__": cls.__module__, "_jitckpt_tracked": True})
-
-    def new_iterator(self, make: Any) -> _CountingIter:
-        skip = 0
-        if self.resume is not None:
-            # Every iterator created before the first resumed minibatch (also a
-            # probe like `next(iter(loader))`) starts where the saved one was,
-            # from the same RNG and generator states, so it draws the same seeds.
-            pos = self.resume
-            torch.set_rng_state(pos["rng"])
-            for g, s in zip(_generators(self.loader), pos["gens"], strict=True):
-                g.set_state(s)
-            skip = pos["consumed"]
-            epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
-            if pos["epoch"] is not None and epoch is not None and epoch != pos["epoch"]:
-                print(f"[jitckpt] WARNING: resuming a DataLoader whose sampler is at epoch {epoch}, but the "
-                      f"checkpoint was taken in epoch {pos['epoch']}: restore your epoch counter (resumable's "
-                      "state=) and call set_epoch before iterating; the data position may be wrong",
-                      file=sys.stderr, flush=True)
-        rec = _EpochRecord(torch.get_rng_state(), [g.get_state() for g in _generators(self.loader)],
-                           getattr(getattr(self.loader, "sampler", None), "epoch", None), skip)
-        self.loader.__dict__["_jitckpt_skip"] = skip
-        try:
-            it = make()
-        finally:
-            self.loader.__dict__.pop("_jitckpt_skip", None)
-        self.current = rec
-        return _CountingIter(it, rec)
-
-    def step_done(self) -> None:
-        if self.current is not None:
-            self.current.consumed = self.current.yielded
-
-    def position(self) -> dict | None:
-        rec = self.current
-        if rec is None:
-            return self.resume  # nothing iterated since the restart: still the saved position
-        return {"rng": rec.rng, "gens": rec.gens, "epoch": rec.epoch, "consumed": rec.consumed}
-
-
-def _is_lookahead_adapter(loader: Any) -> bool:
-    # Hugging Face Accelerate's DataLoaderShard: wraps a DataLoader
-    # (base_dataloader), reads one batch ahead to flag the last one, keeps its
-    # own epoch counter (iteration) and claims the wrapped loader's __class__.
-    return all(hasattr(loader, a) for a in ("base_dataloader", "end_of_dataloader", "iteration"))
-
-
-class _LookaheadTracker(_LoaderTracker):
-    """A loader adapter that reads one batch ahead of what it hands out: the
-    wrapped DataLoader is tracked, and one batch fewer counts as consumed
-    until the adapter has seen the end of the epoch."""
-
-    def __init__(self, adapter: Any, session: _Session) -> None:
-        super().__init__(adapter.base_dataloader, session)
-        self.adapter = adapter
-
-    def step_done(self) -> None:
-        if self.current is not None:
-            ahead = 0 if self.adapter.end_of_dataloader else 1
-            self.current.consumed = max(0, self.current.yielded - ahead)
-
-    def position(self) -> dict | None:
-        pos = super().position()
-        if pos is not None and self.current is not None:
-            pos = {**pos, "iteration": self.adapter.iteration}
-        return pos
-
-    def restore(self, pos: dict) -> None:
-        self.resume = pos
-        self.adapter.iteration = pos.get("iteration", self.adapter.iteration)
-
-
-class _StatefulLoaderTracker:
-    """A loader that keeps its own state (torchdata's StatefulDataLoader).
-
-    Its state_dict counts batches *fetched*; at the JIT save the current
-    minibatch's batch has been fetched but not trained on. So the state is
-    taken where nothing is in flight: after each optimizer step and at each
-    new iterator (a new epoch begins there)."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.state: Any = None
-        cls = type(loader)
-        tracker = self
-
-        def __iter__(self):  # noqa: N807
-            it = cls.__iter__(self)
-            tracker.state = self.state_dict()
-            return it
-
-        loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                                        "_jitckpt_tracked": True})
-
-    def step_done(self) -> None:
-        self.state = self.loader.state_dict()
-
-    def position(self) -> Any:
-        return self.state
-
-
 # -- the session -------------------------------------------------------------
 
 
@@ -353,19 +104,30 @@ class _Session:
         self.sharded: Any = None  # resume_sharded.ShardedState: an FSDP2 model and its optimizers
 
     # runtime hook: the start of a minibatch (before a deferred JIT save)
-    def on_minibatch_start(self) -> None:
+    def on_minibatch_start(self, provisional: bool = False) -> None:
+        """``provisional``: at a collective after an optimizer step, where an evaluation pass
+        or the epoch's bookkeeping (``scheduler.step()``) may still follow before the next
+        training forward takes the start again. A save in between must describe this point,
+        so the hyper-parameters that bookkeeping moves are copied too (_hyper)."""
         resumed = self.pending_rng is not None
         if resumed:
-            rng, self.pending_rng = self.pending_rng, None
-            _rng_restore(rng)
+            self.restore_pending_rng()
         # A new object each time, assigned in one step: the save may run on the
         # watcher thread and must see one whole snapshot.
-        self.snap = {"rng": _rng_snapshot(), "state": copy.deepcopy(self.state),
-                     "data": [t.position() for t in self.trackers]}
+        snap = {"rng": _rng_snapshot(), "state": copy.deepcopy(self.state),
+                "data": [t.position() for t in self.trackers]}
+        if provisional:
+            snap["hyper"] = _hyper(self.objects)
+        self.snap = snap
         if resumed:  # iterators created from now on start a fresh epoch
             for t in self.trackers:
                 if isinstance(t, _LoaderTracker):
                     t.resume = None
+
+    def restore_pending_rng(self) -> None:
+        rng, self.pending_rng = self.pending_rng, None
+        if rng is not None:
+            _rng_restore(rng)
 
     def on_step_done(self) -> None:
         for t in self.trackers:
@@ -375,11 +137,13 @@ class _Session:
         snap = self.snap
         if snap is None:  # cannot happen: saves are refused before the first minibatch
             raise RuntimeError("jitckpt.resumable: JIT save before any minibatch started")
+        hyper = snap.get("hyper") or {}
+        objects = {name: _as_of(name, obj.state_dict(), hyper) for name, obj in self.objects.items()}
         payload = {
             "format": _FORMAT,
             "step": api.checkpoint_step(),
-            "objects": {name: obj.state_dict() for name, obj in self.objects.items()},
-            **snap,
+            "objects": objects,
+            **{k: v for k, v in snap.items() if k != "hyper"},
             "rng": _portable(snap["rng"]),
         }
         if self.sharded is not None:
@@ -419,6 +183,29 @@ class _Session:
         self.snap = {"rng": payload["rng"], "state": copy.deepcopy(payload["state"]), "data": payload["data"]}
         self.restored_step = int(payload["step"])
         return self.restored_step
+
+
+def _hyper(objects: dict[str, Any]) -> dict[str, Any]:
+    """What a step's bookkeeping changes without an optimizer step: the schedulers' state and
+    the optimizers' hyper-parameters (a scheduler writes ``lr`` into the param groups). Small
+    and host-only: no tensor state is copied."""
+    out: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if name.startswith("scheduler"):
+            out[name] = copy.deepcopy(obj.state_dict())
+        elif name.startswith("optimizer") and hasattr(obj, "param_groups"):
+            out[name] = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in obj.param_groups]
+    return out
+
+
+def _as_of(name: str, sd: Any, hyper: dict[str, Any]) -> Any:
+    """``sd`` with what ``_hyper`` copied at a provisional start put back."""
+    if name not in hyper:
+        return sd
+    if name.startswith("scheduler"):
+        return hyper[name]
+    groups = [{**g, **h} for g, h in zip(sd["param_groups"], hyper[name], strict=True)]
+    return {**sd, "param_groups": groups}
 
 
 def _install_step_hook() -> None:
@@ -495,12 +282,22 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
 
 def _track(model: Any, optimizer: Any) -> None:
     """The state the replicas compare (verifier.py): an FSDP2 model has no DDP wrapper to be seen by."""
-    from . import tracked
+    from . import buffers, tracked
 
+    rt = api._get_runtime()
     for m in _as_list(model):
         tracked.add_model(m)
+        if not hasattr(m, "reducer") and callable(getattr(m, "register_forward_pre_hook", None)):
+            # not DDP (hooks.py captures those after the broadcast): its own buffers at each start
+            mirror = buffers.add(m)
+            m.register_forward_pre_hook(lambda mod, inp, mirror=mirror: _capture(rt, mirror, mod))
     for o in _as_list(optimizer):
         tracked.add_optimizer(o)
+
+
+def _capture(rt: Any, mirror: Any, mod: Any) -> None:
+    if mod.training and torch.is_grad_enabled() and mirror.captured_at != rt.steps_done:
+        mirror.capture(rt.steps_done)
 
 
 def _collect(*, model: Any, optimizer: Any, scheduler: Any, scaler: Any, stateful: dict[str, Any]) -> dict[str, Any]:

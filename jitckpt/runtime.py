@@ -50,11 +50,12 @@ import time
 import traceback
 from collections.abc import Callable
 from enum import Enum
-from pathlib import Path
 
+from . import buffers as _buffers
 from . import config as _config
-from . import contract, layout
+from . import contract, layout, parent_death, save_space
 from . import faults as _faults
+from .collective_errors import find_collective_error
 
 SaveFn = Callable[[str], None]
 HEARTBEAT_S = 0.1  # the watcher's beat period (launcher/recovery/hang.py: STALE_S)
@@ -66,51 +67,6 @@ class Phase(Enum):
     BWD = "backward"
     OPT = "optimizer"
     POST = "post-step"  # step done, user bookkeeping before next minibatch
-
-
-def is_collective_error(exc: BaseException) -> bool:
-    """Errors that mean "a peer is gone or the collective timed out", as raised
-    by torch's gloo/nccl backends, as opposed to this rank's own failure."""
-    try:
-        import torch.distributed as dist
-
-        if isinstance(exc, (dist.DistError,)):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    if not isinstance(exc, RuntimeError) or isinstance(exc, _faults.InjectedFault):
-        return False
-    msg = str(exc)
-    return any(m in msg for m in ("third_party/gloo", "gloo/transport", "NCCL", "ProcessGroup",
-                                  "Connection closed by peer", "Connection reset by peer",
-                                  "Timed out waiting", "Application timeout caused pair closure"))
-
-
-def find_collective_error(exc: BaseException | None) -> BaseException | None:
-    """``exc`` or the first collective error it was raised from or while
-    handling (``__cause__``/``__context__``): a framework that wraps the error,
-    or exits with ``sys.exit`` from its ``except`` clause, keeps it there."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if is_collective_error(exc):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _process_start_time() -> float | None:
-    """When this process was created (unix seconds, 10 ms resolution): for a
-    forked warm worker the fork, for a fresh one the exec, before Python's own
-    start-up."""
-    try:
-        with open("/proc/self/stat") as fh:
-            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        # /proc/stat's btime has 1 s resolution; the boot clock does not
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-        return time.time() - age
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Runtime:
@@ -142,7 +98,8 @@ class Runtime:
         self.shim_optimizer: tuple[Callable[[], None], Callable[[], None]] | None = None
         # resume.resumable(): snapshot (and after a restart, restore) RNG, counters and data
         # position at each minibatch start, before a deferred save that needs the snapshot
-        self.on_minibatch_start: Callable[[], None] | None = None
+        # (provisional: reached at a collective after a step, which the next training forward may redo)
+        self.on_minibatch_start: Callable[[bool], None] | None = None
         # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
         self.on_snapshot: Callable[..., None] | None = None
         self.verifier = None  # verifier.Verifier: the replicas' state checks (jitrun only)
@@ -154,6 +111,9 @@ class Runtime:
                                          announce=self._announce_fault)
         # --jit-migratable on: the migration request watch (one store add per minibatch start)
         self._migration = None
+        self._provisional = False  # phase FWD entered at a collective after a step, not a forward
+        self._definite = False  # the next collective starts a minibatch (expect_minibatch_start)
+        self._body_due: tuple[bool] | None = None  # on_forward_body owes the start's tail (post?)
         self.waits = None  # collective_waits.Waits under jitrun: the record the agent's hang watch reads
 
     # -- reporting --------------------------------------------------------
@@ -161,23 +121,23 @@ class Runtime:
     def connect(self) -> None:
         if not self.cfg.managed or self.cfg.store_addr is None:
             return
-        from .report import for_worker
+        from .report import for_worker, process_start_time
 
         self.reporter = for_worker(self.cfg)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
         if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
-            from .collective_waits import Waits
+            from .collective_waits import open_waits
 
-            self.waits = Waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
+            self.waits = open_waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
-                    proc_start_t=_process_start_time())
+                    proc_start_t=process_start_time())
         if contract.MIGRATABLE.get():
             from .migrate_worker import Watch
 
             self._migration = Watch(self.reporter._store, self.cfg.token)
 
     def report(self, event: str, **fields) -> None:
-        if self.reporter is None:
+        if self.reporter is None or parent_death.agent_gone():  # its agent served the store and read it
             return
         fields.setdefault("attempt", self.cfg.attempt)  # the agent keeps per-round facts per attempt
         try:
@@ -227,78 +187,82 @@ class Runtime:
             fn, self.on_training_start = self.on_training_start, None
             fn()
 
-    def _minibatch_start(self, collective: bool) -> None:
+    def _minibatch_start(self, collective: bool, provisional: bool | None = None) -> None:
         """The hooks of the minibatch boundary, for resume (RNG, counters,
         data position) and EC snapshots (after a step only). ``collective``:
         reached at an explicit collective, which may not start a minibatch
         (a barrier after the loop); only reached from POST there."""
+        self._start_head(provisional=collective if provisional is None else provisional)
+        self._start_tail(post=self.phase is Phase.POST, collective=collective)
+
+    def _start_head(self, provisional: bool = False) -> None:
         if self._migration is not None:
-            self._migration_point()
+            from .migrate_worker import migration_point
+
+            migration_point(self)
         if self.on_minibatch_start is not None:
-            self.on_minibatch_start()
-        if self.verifier is not None:  # before an EC snapshot: it must not stage an unverified state
-            self.verifier.at_minibatch_start(collective)
-        if self.on_snapshot is not None and self.phase is Phase.POST:
-            self.on_snapshot(collective)
+            self.on_minibatch_start(provisional)
 
-    def _migration_point(self) -> None:
-        """jitrun migrate (launcher/migrate.py): at a minibatch start nothing is in flight,
-        so the process groups can go, the moving ranks be dumped and restored elsewhere
-        and every rank rebuild. A migration that fails turns into a JIT save here (the
-        caller's deferred-save check runs next), so the restart loses nothing."""
-        from . import migrate_worker as mw
-        from .report import for_worker
-
-        def before_close(gen: int, req: dict) -> None:
-            self.report("migrating", gen=gen, step=self.steps_done, to=req.get("to"), pid=os.getpid(),
-                        ctl=str(self._migration_ctl()))
-            stores.append(self.reporter._store)
-            self.reporter = None  # its connection must not survive into the dump
-
-        stores: list = []
+    def _start_tail(self, post: bool, collective: bool) -> None:
+        if self.verifier is None and (self.on_snapshot is None or not post):
+            return
+        # Inside a DDP forward the phase is already FWD; the checks and the snapshot run as at
+        # the start itself, where a trigger (a SIGTERM while the replicas roll back) is deferred.
+        with self._lock:
+            inside = self.phase is Phase.FWD and not self.saving
+            if inside:
+                self.phase = Phase.POST
         try:
-            got = mw.at_minibatch_start(self._migration, self.cfg.rank, self.cfg.world_size, self._migration_ctl(),
-                                        step=self.steps_done, stores=stores, before_close=before_close,
-                                        stop=lambda: self.deferred)
-        except mw.MigrationFailed as e:
-            if self.reporter is None:
-                self.reporter = for_worker(self.cfg)
-            with self._lock:
-                if self.deferred is None:
-                    self.deferred = f"migration failed: {e}"
-            self.report("failure_detected", reason="migration_failed", phase=self.phase.value,
-                        step=self.steps_done, error=str(e), minibatch_s=self.minibatch_s())
-            return
-        if got is None:
-            return
-        gen, req, store, watch = got
-        self._migration = watch
-        if store is not None:  # this rank moved: its new store client
-            self.reporter = for_worker(self.cfg, store)
-        digest = self.verifier.after_migration(gen) if self.verifier is not None else None
-        self.report("migrated" if store is not None else "migration_resumed", gen=gen, step=self.steps_done,
-                    pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)
+            if self.verifier is not None:  # before an EC snapshot: it must not stage an unverified state
+                self.verifier.at_minibatch_start(collective, post)
+            if self.on_snapshot is not None and post:
+                self.on_snapshot(collective)
+        finally:
+            if inside:
+                with self._lock:
+                    self.phase = Phase.FWD
 
-    def _migration_ctl(self) -> Path:
-        return Path(self.cfg.root or ".") / "migrate" / "ctl"
-
-    def on_forward(self) -> None:
+    def on_forward(self, body_follows: bool = False) -> None:
+        """A training forward begins (the hooks call it only with grad enabled and the module
+        in training mode: an evaluation pass starts no minibatch). The first one after an
+        optimizer step, or after a collective that stood in for the start, is the minibatch
+        start. ``body_follows``: a DDP model, whose buffer broadcast runs between this call and
+        ``on_forward_body``; what must see the broadcast buffers waits for that call."""
+        post = self.phase is Phase.POST or self._provisional
+        start = post or self.phase is Phase.INIT
         if self.phase is Phase.INIT:
             self._training_started()
-        if self.phase is Phase.POST or self.phase is Phase.INIT:
-            self._minibatch_start(collective=False)
-        if self.deferred is not None:
-            self._save_deferred()
+        if start:
+            self._provisional = False
+            if body_follows:
+                self._start_head()
+                self._body_due = (post,)
+            else:
+                self._minibatch_start(collective=False)
         if self.phase is not Phase.FWD:
             with self._lock:
                 self.phase, self.phase_t = Phase.FWD, time.monotonic()
+        if not body_follows:
+            self.on_forward_body()
+
+    def on_forward_body(self) -> None:
+        """Inside a training forward, after DDP's buffer broadcast (buffers.py captured them just
+        before): the rest of the minibatch start, a deferred save, the forward's faults."""
+        due, self._body_due = self._body_due, None
+        if due is not None:
+            self._start_tail(post=due[0], collective=False)
+        if self.deferred is not None:
+            self._save_deferred()
         self.injector.maybe_fire("forward", self.steps_done)
 
     def on_backward(self, tensors) -> None:
         if self.phase is Phase.INIT:
             self._training_started()
-        if self.phase is Phase.POST or self.phase is Phase.INIT:
+        if self.phase is Phase.POST or self.phase is Phase.INIT or self._provisional:
+            self._provisional = False
             self._minibatch_start(collective=False)
+        elif self._body_due is not None:  # a DDP forward that never reached its module
+            self.on_forward_body()
         if self.deferred is not None:
             self._save_deferred()
         with self._lock:
@@ -334,13 +298,28 @@ class Runtime:
         # it is not (a barrier after the training loop): such a save is marked
         # so that it is only restored when save_fn labelled its state with
         # checkpoint_step() (see _jit_save).
+        # A provisional start: an evaluation pass or the user's bookkeeping between epochs may
+        # still follow, so the next training forward takes the minibatch start again.
+        definite, self._definite = self._definite, False
         if self.phase is Phase.POST:
-            self._minibatch_start(collective=True)
+            self._minibatch_start(collective=True, provisional=not definite)
         if self.deferred is not None:
             self._save_deferred(post_step=self.phase is Phase.POST)
         if self.phase is Phase.POST:
+            self._provisional = not definite
             with self._lock:
                 self.phase, self.phase_t = Phase.FWD, time.monotonic()
+
+    def expect_minibatch_start(self) -> None:
+        """An integration that knows the next collective starts a minibatch (Lightning's
+        per-batch broadcast, before the batch is fetched): that collective is the start
+        itself, not a provisional one."""
+        if self.phase is Phase.INIT:
+            self._training_started()  # what the first forward would do: consistency check, timeouts
+        with self._lock:
+            if not self.saving and self.phase is not Phase.OPT:
+                self.phase, self.phase_t = Phase.POST, time.monotonic()
+                self._definite = True
 
     def on_optimizer_pre(self) -> None:
         if self.shim_optimizer is not None:
@@ -484,7 +463,7 @@ class Runtime:
         reason = self.deferred
         if self.on_minibatch_start is not None:
             try:
-                self.on_minibatch_start()
+                self.on_minibatch_start(True)
             except BaseException as e:
                 self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
                 traceback.print_exc()
@@ -507,6 +486,10 @@ class Runtime:
             else:
                 self._jit_save("post-step" if phase is Phase.POST else "minibatch-start")
                 code = _config.EXIT_SAVED
+        except save_space.NoSpace as e:  # one line: what, where, how much, the fix (before the agent ends us)
+            e.release()
+            print(f"[jitckpt] rank {self.cfg.rank}: {e}", file=sys.stderr, flush=True)
+            self.report("checkpoint_failed", step=self.steps_done, error=str(e), no_space=e.fields())
         except BaseException as e:  # report, then exit; the launcher uses another replica
             self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
             traceback.print_exc()
@@ -523,24 +506,25 @@ class Runtime:
         self.report("save_started", step=step, shard=self.shard)
         old_umask = os.umask(0o077)
         try:
-            tmp = layout.staging_dir(cfg.root, step, self.shard, cfg.rank)
-            self.step_read = False
-            self.save_fn(str(tmp))
-            self.injector.maybe_fire("save", step)
-            extra: dict = {"progress_step": step, "point": point}
-            if point == "post-step" and not self.step_read:
-                # After an optimizer step, at a collective that no minibatch
-                # start followed: the user's own step counter may still name
-                # the minibatch just done (a barrier after the loop). Restoring
-                # it would redo that minibatch on updated weights.
-                extra["step_unverified"] = True
-                print(f"[jitckpt] rank {cfg.rank}: WARNING: JIT save at a collective after optimizer step "
-                      f"{step} with no minibatch start in between; save_fn did not call "
-                      "jitckpt.checkpoint_step(), so this checkpoint's step label cannot be trusted and it "
-                      "will not be restored. Record jitckpt.checkpoint_step() as your step in save_fn.",
-                      file=sys.stderr, flush=True)
-            path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
-                                  world_size=cfg.world_size, job_id=cfg.job_id, extra=extra)
+            with save_space.staged(cfg.root, step, self.shard, cfg.rank) as tmp:
+                # the model as it was at the minibatch start: buffers a forward wrote are put back
+                held = _buffers.rewind_all(step, cfg.rank) if point == "minibatch-start" else {"buffers": "live"}
+                self.step_read = False
+                self.save_fn(str(tmp))
+                self.injector.maybe_fire("save", step)
+                extra: dict = {"progress_step": step, "point": point, **held}
+                if point == "post-step" and not self.step_read:
+                    # After an optimizer step, at a collective no minibatch start followed: the user's step
+                    # may still name the minibatch just done (a barrier after the loop); restoring it would redo it.
+                    extra["step_unverified"] = True
+                    print(f"[jitckpt] rank {cfg.rank}: WARNING: JIT save at a collective after optimizer step "
+                          f"{step} with no minibatch start in between; save_fn did not call "
+                          "jitckpt.checkpoint_step(), so this checkpoint's step label cannot be trusted and it "
+                          "will not be restored. Record jitckpt.checkpoint_step() as your step in save_fn.",
+                          file=sys.stderr, flush=True)
+                path = layout.publish(tmp, root=cfg.root, step=step, shard=self.shard, rank=cfg.rank,
+                                      world_size=cfg.world_size, job_id=cfg.job_id, extra=extra,
+                                      identity=cfg.identity or None)
         finally:
             os.umask(old_umask)
         self.report("checkpoint_saved", step=step, shard=self.shard, path=str(path),
@@ -570,10 +554,9 @@ class Runtime:
 
     @staticmethod
     def _on_signal(signum, frame) -> None:
-        # Deliberately empty. It only replaces the default action (terminate);
-        # the watcher thread acts on the wakeup byte. Doing the work here would
-        # run in the main thread between two bytecodes, possibly while that
-        # thread holds _lock (not reentrant): a self-deadlock.
+        # Deliberately empty. It only replaces the default action (terminate); the watcher thread acts on
+        # the wakeup byte. Doing the work here would run in the main thread between two bytecodes,
+        # possibly while that thread holds _lock (not reentrant): a self-deadlock.
         pass
 
     def _watch(self, fd: int) -> None:

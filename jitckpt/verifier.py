@@ -185,13 +185,14 @@ class Verifier:
 
     # -- every N minibatches -------------------------------------------------------------------
 
-    def at_minibatch_start(self, collective: bool) -> None:
+    def at_minibatch_start(self, collective: bool, post: bool) -> None:
         """The runtime's minibatch-start hook (after resumable's snapshot, so a staged save is
-        complete). ``collective``: reached at a collective, which may not start a minibatch."""
+        complete, and after the buffers' capture). ``collective``: reached at a collective, which
+        may not start a minibatch; ``post``: the first start after an optimizer step."""
         if self.off or self.every <= 0 or self.rt.reporter is None:
             return
         step = self.rt.steps_done
-        if self.rt.phase is Phase.POST and step % self.every == 0 and step != self._checked_step:
+        if post and step % self.every == 0 and step != self._checked_step:
             self._checked_step = step
             self._periodic(step)
         if self.stage_pending and self.rt.save_fn is not None:

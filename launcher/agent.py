@@ -27,10 +27,11 @@ import time
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from jitckpt import auth, contract
+from jitckpt import auth, contract, layout
+from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 
-from . import migrate, rdzv, warm
+from . import error_files, migrate, rdzv, warm
 from .devices import describe, scheduler
 from .devices.watch import DeviceWatch
 from .events import EventLog
@@ -89,6 +90,8 @@ class JitAgent(LocalElasticAgent):
         self._dropped: set[str] = set()  # rendezvous names of nodes taken as lost (_on_lost)
         rdzv.drop_silent(handler, lambda: self._restorer.silence, self._on_lost)
         self._target = start_target(rdzv.coordination_store(handler), jit, self._node, events)
+        self._bad_error_files: set[str] = set()
+        error_files.install(self._on_bad_error_file)  # torch's reads of them too (error_files.py)
 
     # -- reports ------------------------------------------------------------------
 
@@ -183,6 +186,18 @@ class JitAgent(LocalElasticAgent):
             print(f"jitrun: node(s) {', '.join(new)} lost: their agents stopped answering the job's store "
                   f"for {alive.QUIET_S:g} s; the job goes on without them", flush=True)
 
+    def _on_bad_error_file(self, local_rank: int, path: str, state: State) -> None:
+        """A failed worker's error file that could not be used (empty, torn,
+        unreadable): its failure is reported without it; the timeline says why."""
+        if path in self._bad_error_files:
+            return
+        self._bad_error_files.add(path)
+        rank = next((w.global_rank for w in self._worker_group.workers if w.local_rank == local_rank), None)
+        self._events.emit("error_file_unusable", rank=rank, local_rank=local_rank, path=path, state=state.name,
+                          detail=state.detail)
+        print(f"jitrun: rank {rank}'s error file {path} is {state.name} ({state.detail}); its failure is reported "
+              "from its exit code", file=sys.stderr, flush=True)
+
     def _on_spare(self, n: int) -> None:
         if not self._spare_seen:
             self._spare_seen = True
@@ -251,8 +266,13 @@ class JitAgent(LocalElasticAgent):
         Episode(f, procs, exited=self._exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
                 events=self._events).run()
+        # what a rank killed inside its save left (a save that failed removed its own)
+        layout.remove_staging(self._jit.root, {r: p.pid for r, p in procs.items() if p.pid})
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
+        elif f.no_space is not None and not f.saved:
+            # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
+            self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))
         else:
             finished, static_lost = self._restorer.choose(
                 f, round_=self._round, group_world_size=wg.group_world_size, shards=self._book.shards,

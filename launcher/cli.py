@@ -57,10 +57,11 @@ commands:
 
 _EPILOG = """\
 The jit dir (--jit-dir, default ./jitckpt_runs/<job id>) holds the checkpoints
-and the timeline events.jsonl. Re-running the same command (or with the same
---rdzv-id) resumes from it, unless that run finished (exit 0): then the job
-starts fresh and says so (--jit-resume continues instead); another job pointed
-at it is refused. Workers get
+and the timeline events.jsonl. Re-running the same command (the same
+--rdzv-id, script and arguments) resumes from it, unless that run finished
+(exit 0): then the job starts fresh and says so (--jit-resume continues
+instead); another job pointed at it is refused, and so is a second jitrun of
+the job while it runs (one job per jit dir: <jit dir>/jitrun.lock). Workers get
 JITCKPT_DIR, JITCKPT_JOB_ID, JITCKPT_TOKEN, JITCKPT_TIMEOUT and, after a
 failure, JITCKPT_RESTORE_STEP in their environment."""
 
@@ -244,7 +245,10 @@ def _check_sizes(args) -> str | None:
 def check_args(args) -> str | None:
     """What is wrong with the command line, as one line for stderr, or None.
     Run before anything is created on disk or started."""
-    err = (_check_seconds("--jit-timeout", args.jit_timeout[0] if args.jit_timeout else None)
+    from .jobdir import blank_path_option
+
+    err = (blank_path_option(args)
+           or _check_seconds("--jit-timeout", args.jit_timeout[0] if args.jit_timeout else None)
            or _check_seconds("--jit-save-timeout", args.jit_save_timeout)
            or (None if args.jit_health_interval == 0 else
                _check_seconds("--jit-health-interval", args.jit_health_interval))
@@ -347,7 +351,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    from .jobdir import DISK_ERRNOS
+
+    try:
+        return _run(args)
+    except OSError as e:
+        if e.errno not in DISK_ERRNOS:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"jitrun: error: {e.strerror or e}{where}; the jit dir's disk (or this node's) failed or is full: free "
+              "space or fix it, then rerun the same command (it resumes from the newest complete checkpoint)",
+              file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(args) -> int:
     from .devices import scheduler
+    from .jobdir import DirRefused, claim, command_of, identity
 
     # every check before claim_root: a rejected command creates nothing on disk
     err = check_args(args)
@@ -360,16 +380,31 @@ def run(args) -> int:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
     job_id = job_id_for(args)
+    ident = identity(job_id, command_of(args))
     root = Path(args.jit_dir or Path.cwd() / "jitckpt_runs" / job_id).resolve()
     try:
-        layout.claim_root(root, job_id)
-    except layout.CheckpointDirError as e:
+        lock = claim(root, job_id, ident, command_of(args), one_node=_max_nodes(args) == 1)
+    except DirRefused as e:
         print(f"jitrun: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _launch(args, root, job_id, ident, sched, lock.release)
+    finally:
+        lock.release()
+
+
+def _max_nodes(args) -> int:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    return 1 if args.standalone else parse_min_max_nnodes(args.nnodes)[1]  # checked by check_args
+
+
+def _launch(args, root: Path, job_id: str, ident: str, sched: str, before_exit) -> int:
     _previous_run(root, job_id, args.jit_resume)
     _share_rdzv_store()
     timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
     _tell_workers(args, root, job_id, timeout, fixed)
+    contract.JOB_IDENTITY.set(ident)
     intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
     _warm_start_early(args, intercept)
     from torch.distributed.run import config_from_args
@@ -382,7 +417,7 @@ def run(args) -> int:
 
     rc = launch(config, cmd, cmd_args, root=root, job_id=job_id, token=args.job_token, timeout_s=timeout,
                 save_timeout_s=args.jit_save_timeout, sched=sched, health_interval_s=args.jit_health_interval,
-                timeout_fixed=fixed,
+                timeout_fixed=fixed, identity=ident, before_exit=before_exit,
                 command=[sys.executable, "-m", "jitrun.cli", *getattr(args, "argv", sys.argv[1:])])
     if intercept:
         from .shim_events import collect
@@ -417,6 +452,7 @@ def _tell_workers(args, root: Path, job_id: str, timeout: float, fixed: bool) ->
     contract.TOKEN.set(args.job_token)  # checked by check_args
     contract.TIMEOUT.set(timeout)
     contract.TIMEOUT_FIXED.set(int(fixed))
+    contract.AGENT_PID.set(os.getpid())  # a worker dies with this process (jitckpt/parent_death.py)
     for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP, contract.MIGRATABLE):
         var.unset()
     # EC snapshots: workers read these; 0 = off, nothing of it runs

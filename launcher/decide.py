@@ -173,10 +173,11 @@ def _shard_map_parts(m: dict) -> str | None:
 SHARD_MAP = auth.Schema({"node_id": _S, "shards": dict}, nested=_shard_map_parts)
 
 
-def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = frozenset()) -> dict:
+def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = frozenset(),
+              identity: str | None = None) -> dict:
     """This node's verified replicas (checksums checked now), and the ranks it
     knows finished the job."""
-    good, _bad = layout.scan(root, job_id)
+    good, _bad = layout.scan(root, job_id, identity)
     reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
              "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
     from jitckpt import ec_files, ec_snapshot

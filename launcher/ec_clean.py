@@ -144,6 +144,9 @@ def main(argv: list[str], stdout=None, stderr=None) -> int:
         args = _build_parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    if not args.jit_dir.strip():  # Path("") is the current directory, whose temp files are not ours
+        print(f"{PROG}: error: --jit-dir {args.jit_dir!r}: an empty path; pass the job's jit dir", file=err)
+        return 2
     root = Path(args.jit_dir).resolve()
     if not root.is_dir():
         print(f"{PROG}: error: --jit-dir {args.jit_dir}: no such directory", file=err)
@@ -177,7 +180,7 @@ def main(argv: list[str], stdout=None, stderr=None) -> int:
         if not args.dry_run:
             _remove(p)
         say(what, p, files, size)
-    replicas, _bad = layout.scan(root, job_id)
+    replicas, _bad = layout.scan(root, job_id, layout.read_identity(root))
     steps = sorted({r.step for r in replicas})
     if args.all:
         for sub in ("ckpt", "previous"):

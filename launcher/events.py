@@ -21,16 +21,27 @@ restore, refused; during training, rolled back), sdc_suspect (the rank outside
 the majority), state_repaired (taken from the majority in place), verify_off
 (replicas that differ by nature: checks off for the job). A ``recovery``
 record also carries ``fingerprint``: shard -> the digest its replicas agreed on.
+error_file_unusable: a failed worker's error file that was empty, torn,
+unreadable or malformed (``state``), reported without it (error_files.py).
 
 Every record written by an agent names its ``node``; each node writes its own
 ranks' reports only, and ``jitrun events DIR...`` merges several nodes' logs
 into one job order.
+
+A line is one ``write`` (O_APPEND): agents sharing a log never interleave. A
+write the disk cuts short (full, failing) is truncated away again, the
+failure said once on stderr and the record kept in memory (the summary at the
+end has it); a line torn anyway (a crash mid-write, a concurrent appender) is
+skipped by the reader with a warning, and the next writer starts a new line
+after it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +51,7 @@ class EventLog:
         self.path = path
         self.node = node  # every record names the node that wrote it
         self.events: list[dict] = []
+        self.write_error: OSError | None = None  # the last write's failure, said once until a write works
 
     def emit(self, event: str, **fields) -> dict:
         rec = {"event": event, "t": fields.pop("t", None) or time.time(), **fields}
@@ -47,12 +59,31 @@ class EventLog:
             rec.setdefault("node", self.node)
         self.events.append(rec)
         if self.path is not None:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
-                os.write(fd, (json.dumps(rec, sort_keys=True) + "\n").encode())
-            finally:
-                os.close(fd)
+                append_line(self.path, (json.dumps(rec, sort_keys=True) + "\n").encode())
+                self.write_error = None
+            except OSError as e:
+                if self.write_error is None:
+                    print(f"jitrun: warning: could not write {self.path} ({e.strerror or e}); its events are kept "
+                          "in memory and printed at the end until a write works", file=sys.stderr, flush=True)
+                self.write_error = e
         return rec
+
+
+def append_line(path: Path, data: bytes) -> None:
+    """Append one line with one write; a write cut short is undone (OSError)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data  # after a torn line: never glued to it
+        n = os.write(fd, data)
+        if n != len(data):
+            if os.fstat(fd).st_size == start + n:  # nobody appended since: the torn part goes
+                os.ftruncate(fd, start)
+            raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes): the disk is full")
+    finally:
+        os.close(fd)
 
 
 def summary(events: list[dict]) -> str:
@@ -96,12 +127,23 @@ def load(paths: list[Path]) -> list[dict]:
         f = p / "events.jsonl" if p.is_dir() else p
         if not f.exists():
             raise FileNotFoundError(f"{f}: no such event log (pass a jit dir or an events.jsonl file)")
-        for n, line in enumerate(f.read_text().splitlines(), 1):
+        text = f.read_text(errors="replace")
+        lines = text.splitlines()
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError
             except ValueError:
+                # cut short by a failed write: the last line without its newline, or a line
+                # that starts a record and never ends it (the writer starts anew after it)
+                if line.startswith("{") and (n == len(lines) and not text.endswith("\n")
+                                             or not line.rstrip().endswith("}")):
+                    print(f"jitrun events: warning: {f}:{n}: a torn line (a write cut short, e.g. by a full "
+                          "disk) skipped", file=sys.stderr, flush=True)
+                    continue
                 raise ValueError(f"{f}:{n}: not a JSON line; is this a jitrun events.jsonl?") from None
             key = json.dumps(rec, sort_keys=True)
             if key not in seen:
@@ -113,15 +155,17 @@ def load(paths: list[Path]) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     import argparse
-    import sys
 
     ap = argparse.ArgumentParser(prog="jitrun events",
                                  description="Merge the event logs of a job's nodes into one timeline.")
-    ap.add_argument("paths", nargs="*", type=Path, help="jit dirs or events.jsonl files, one per node")
-    ap.add_argument("--jit-dir", action="append", type=Path, default=[], help="a node's jit dir (repeatable)")
+    ap.add_argument("paths", nargs="*", help="jit dirs or events.jsonl files, one per node")
+    ap.add_argument("--jit-dir", action="append", default=[], help="a node's jit dir (repeatable)")
     ap.add_argument("--json", action="store_true", help="print the merged events as JSON lines")
     a = ap.parse_args(argv)
-    paths = [*a.jit_dir, *a.paths]
+    if any(not p.strip() for p in [*a.jit_dir, *a.paths]):  # Path("") would read ./events.jsonl
+        print("jitrun events: error: an empty path; pass a jit dir or an events.jsonl file", file=sys.stderr)
+        return 2
+    paths = [Path(p) for p in [*a.jit_dir, *a.paths]]
     if not paths:
         print("jitrun events: error: give at least one jit dir or events.jsonl", file=sys.stderr)
         return 2

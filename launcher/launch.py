@@ -31,7 +31,8 @@ from .recovery.restore import NodeEvicted
 
 def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str, token: str,
            timeout_s: float, save_timeout_s: float, sched: str, command: list[str] | None = None,
-           health_interval_s: float = 0.0, timeout_fixed: bool = False) -> int:
+           health_interval_s: float = 0.0, timeout_fixed: bool = False, identity: str | None = None,
+           before_exit=None) -> int:
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
     events = EventLog(root / "events.jsonl")
@@ -46,7 +47,7 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         shutdown_timeout=config.shutdown_timeout,
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
                        save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
-                       health_interval_s=health_interval_s, timeout_fixed=timeout_fixed),
+                       health_interval_s=health_interval_s, timeout_fixed=timeout_fixed, identity=identity),
         events=events)
     code, shutdown_rdzv = 1, True
     try:
@@ -60,14 +61,25 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
         free_at_end(job_id, events)
         events.emit("job_end", exitcode=code)
         if code == 0:
-            layout.mark_finished(root)
+            _mark_finished(root)
         print(summary(events.events), flush=True)
         print(f"jitrun: timeline in {events.path}", flush=True)
     if not stopped:
         # a thread still inside a store call would abort the interpreter's exit
+        if before_exit is not None:
+            before_exit()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _mark_finished(root: Path) -> None:
+    """FINISHED.json, or one line saying why not (the next run then resumes instead of starting fresh)."""
+    try:
+        layout.mark_finished(root)
+    except OSError as e:
+        print(f"jitrun: warning: could not mark the job finished in {root} ({e.strerror or e}): a rerun of this "
+              "command resumes from its checkpoints instead of starting fresh", file=sys.stderr, flush=True)
 
 
 def _worker_spec(config: LaunchConfig, cmd, cmd_args: list) -> WorkerSpec:

@@ -178,6 +178,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--to", required=True, help="address (--local-addr) of the node that takes them")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the outcome")
     args = ap.parse_args(argv)
+    if not args.jit_dir.strip():
+        print(f"jitrun migrate: error: --jit-dir {args.jit_dir!r}: an empty path; pass the job's jit dir",
+              file=sys.stderr)
+        return 2
     c = _read_control(Path(args.jit_dir) / "migrate" / CONTROL)
     if c is None:
         return 2

@@ -21,6 +21,7 @@ class JitOptions:
     command: list[str] = field(default_factory=list)  # this agent's argv, to start a replacement
     health_interval_s: float = 0.0  # NVML checks while the job runs (0: only before each start)
     timeout_fixed: bool = False  # --jit-timeout fixed:S: no learned bound, no hang watch
+    identity: str | None = None  # what makes it the same job (cli.job_identity): checked in every manifest
 
 
 def this_node(local_addr: str | None) -> decide.NodeInfo:

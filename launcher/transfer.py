@@ -128,12 +128,13 @@ def port_facts(port: int) -> str:
 
 
 class ReplicaServer:
-    def __init__(self, store, token: str, node_id: str, root: Path, job_id: str) -> None:
+    def __init__(self, store, token: str, node_id: str, root: Path, job_id: str, identity: str | None = None) -> None:
         self._store = own_connection(store, 30.0)
         self._token = token
         self._node = node_id
         self._root = root
         self._job = job_id
+        self._identity = identity
         # test hook: serve corrupted bytes (a corrupted transfer must be refused and
         # the replica fetched from another source)
         self._corrupt = contract.TEST_CORRUPT_TRANSFER.get()
@@ -197,7 +198,7 @@ class ReplicaServer:
     def _serve(self, req: dict) -> None:
         tid = req["id"]
         path = layout.replica_dir(self._root, int(req["step"]), str(req["shard"]), int(req["rank"]))
-        ok = layout.verify(path, self._job)
+        ok = layout.verify(path, self._job, self._identity)
         if not isinstance(ok, layout.Replica):
             raise TransferError(f"replica {path} on node {self._node} is not usable: {ok}")
         names = [layout.MANIFEST, *sorted(json.loads((path / layout.MANIFEST).read_text())["files"])]
@@ -459,14 +460,15 @@ def _receive(store, token: str, tid: str, source: dict, tmp: Path, lsn: socket.s
 
 def ensure_local(store, token: str, *, root: Path, job_id: str, step: int, shard: str, sources: list[dict],
                  self_node: str, timeout_s: float = 120.0, listen_addr: str | None = None,
-                 emit: Callable[..., object] | None = None) -> tuple[Path | None, list[str], str | None]:
+                 emit: Callable[..., object] | None = None, identity: str | None = None
+                 ) -> tuple[Path | None, list[str], str | None]:
     """A verified local replica of (step, shard): found on disk, or fetched from the
     first source that delivers a good copy (over a stream to ``listen_addr`` where it
     can, see :func:`fetch`). Returns (path, errors of failed sources, the node fetched
     from or None). ``emit`` (the agent's ``EventLog.emit``) hears, as they happen,
     ``replica_fetch_failed`` for each failed source, ``replica_fetch_fallback`` when a
     source's bytes went through the store instead of the stream, and ``replica_fetched``."""
-    good, _ = layout.scan(root, job_id)
+    good, _ = layout.scan(root, job_id, identity)
     for r in good:
         if r.step == step and r.shard == shard:
             return r.path, [], None

@@ -32,8 +32,9 @@ import os
 import signal
 import sys
 
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "jitckpt._bootstrap",
-           "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.layout", "jitckpt.report",
+# _server_bind first: the server dies with the agent from then on (jitckpt/parent_death.py)
+PRELOAD = ["jitckpt._server_bind", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+           "jitckpt._bootstrap", "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.layout", "jitckpt.report",
            "jitckpt.consistency"]
 
 
@@ -73,6 +74,11 @@ def changed_env() -> dict[str, str]:
 def worker_main(*argv: str) -> None:
     """Entry point of a forked worker: ``argv`` is what would follow
     ``python -u`` (a script and its args, or ``-m module ...``)."""
+    from jitckpt import parent_death
+
+    # a fork of the server follows it (and so the agent); under --run-path's spawn the parent is the agent
+    server = sys.modules.get("jitckpt._server_bind")
+    parent_death.bind_worker(getattr(server, "SERVER_PID", None))
     # `python -u` would have made these unbuffered; the fork inherited buffered ones
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)

@@ -151,12 +151,22 @@ def forked_progress(pcontext, wg: WorkerGroup, procs: dict[int, Proc]) -> RunRes
     return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
 
+def _started(pid: int) -> float | None:
+    """When ``pid`` started: with the PID, what tells a later jitrun that a worker of
+    this run still lives (launcher/joblock.py), not a process that reused its PID."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
 def write_ranks(root: Path, procs: dict[int, Proc], where: Whereabouts, node, attempt: int) -> None:
-    """This node's ranks and their PIDs, in <jit dir>/ranks.json (a
+    """This node's ranks, their PIDs and start times, in <jit dir>/ranks.json (a
     migratable rank's is the worker's, not its namespace wrapper's; a rank
     migrated to another node is listed there)."""
-    ranks = {r: {"pid": where.ns_pids.get(r, p.pid), "node": node.node_id, "host": node.host, "attempt": attempt}
-             for r, p in procs.items() if not isinstance(where.moved.get(r), Remote)}
+    ranks = {r: {"pid": pid, "started": _started(pid), "node": node.node_id, "host": node.host, "attempt": attempt}
+             for r, p in procs.items() if not isinstance(where.moved.get(r), Remote)
+             for pid in (where.ns_pids.get(r, p.pid),)}
     try:
         layout.update_ranks(root, ranks, replace=True)
     except OSError as e:

@@ -89,6 +89,32 @@ def test_jit_dir_of_another_job(tmp_path, script):
     assert sorted(p.name for p in jd.iterdir()) == ["job.json"]
 
 
+@pytest.mark.parametrize("value", ["", "   ", "\t"])
+@pytest.mark.parametrize("flag", ["--jit-dir", "--log-dir"])
+def test_empty_path_options(tmp_path, script, flag, value):
+    """``--jit-dir ""`` used to exit 0 after silently using ./jitckpt_runs/<id>."""
+    proc = jitrun(tmp_path, "--nproc-per-node", "2", flag, value, script)
+    assert_rejected(proc, tmp_path, f"{flag} {value!r}: an empty path", "pass a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
+
+
+def test_empty_training_script(tmp_path):
+    proc = jitrun(tmp_path, "--nproc-per-node", "2", " ")
+    assert_rejected(proc, tmp_path, "training script ' ': an empty path", "script's path")
+
+
+@pytest.mark.parametrize("argv", [["events", ""], ["events", "--jit-dir", " "], ["clean", "--jit-dir", ""],
+                                  ["migrate", "--jit-dir", " ", "--rank", "0", "--to", "x"]])
+def test_subcommands_refuse_an_empty_path(tmp_path, argv):
+    (tmp_path / "events.jsonl").write_text('{"event": "job_start", "t": 1}\n')  # what Path("") would read
+    (tmp_path / ".tmp-rank-0-1").mkdir()  # and what `clean` would remove
+    proc = jitrun(tmp_path, *argv)
+    assert proc.returncode == 2 and not proc.stdout.strip() and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"jitrun {argv[0]}: error: ") and "empty path" in lines[0], lines
+    assert (tmp_path / ".tmp-rank-0-1").exists()
+
+
 def test_help_is_jitruns_own(tmp_path):
     proc = jitrun(tmp_path, "--help")
     assert proc.returncode == 0

@@ -75,7 +75,8 @@ def test_failure_during_save_uses_other_replica(tmp_path, reference):
     saved = job.of("checkpoint_saved")
     assert [e["rank"] for e in saved] == [1], saved
     shard = job.jit_dir / "ckpt" / "step-5" / "shard-0"
-    assert not (shard / "rank-0").exists()  # only an unpublished staging dir may remain
+    assert not (shard / "rank-0").exists()
+    assert not list(shard.glob(".tmp-rank-0-*"))  # its save died with it; its agent removed its staging dir
     assert "resumed from " + str(shard / "rank-1") in job.output
 
 

@@ -53,7 +53,6 @@ import copy
 import signal
 import sys
 import threading
-import time
 import types
 import warnings
 from typing import Any
@@ -163,14 +162,7 @@ def _closure_first(opt: torch.optim.Optimizer) -> None:
 
 def _minibatch_boundary() -> None:
     """Tell the runtime that the next collective / forward starts a minibatch."""
-    from ..runtime import Phase
-
-    rt = api._get_runtime()
-    if rt.phase is Phase.INIT:
-        rt._training_started()  # what the first forward would do: consistency check, timeouts
-    with rt._lock:
-        if not rt.saving and rt.phase is not Phase.OPT:
-            rt.phase, rt.phase_t = Phase.POST, time.monotonic()
+    api._get_runtime().expect_minibatch_start()
 
 
 def _give_sigterm_back(trainer: Any) -> None:

@@ -47,11 +47,25 @@ class Failure:
         self.rdzv_t: float | None = None  # the next round's rendezvous done
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
+        self.no_space: str | None = None  # a save failed on a full disk (jitckpt/save_space.py): its line
 
 
 DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
             "'REFUSING TO TRAIN' lines); no training step was taken and the job is not restarted. Check that every "
             "node sees the same jit dir contents or can reach the others.")
+
+
+def no_space_line(f: Failure, jit) -> str:
+    """The one line of a job stopped by a full jit dir (agent._handle_failure)."""
+    from jitckpt import layout
+
+    replicas, _bad = layout.scan(jit.root, jit.job_id, jit.identity)
+    step = layout.select_step(replicas, {r.shard for r in replicas})
+    kept = (f"the newest complete checkpoint here, step {step}, is kept" if step is not None
+            else "no complete checkpoint here yet")
+    return f"jitrun: the job stops, not restarting on a full disk ({kept}): {f.no_space}"
+
+
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
 SAVE_GRACE_S = 1.0  # another replica of a complete step mid-save: not needed, not waited for longer
 EXIT_GRACE_S = 2.0  # savers that published exit on their own within this
@@ -211,12 +225,13 @@ def sdc_suspects(f: Failure | None, exited: dict[int, int]) -> set[int]:
 def torchrun_failures(procs: dict[int, Proc], local_of: dict[int, int], error_files: dict,
                       life: dict[int, tuple[float, float]]) -> dict:
     """What torchrun's failure report shows when restarts run out: the first
-    failure as root cause (earliest last sign of life first)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    failure as root cause (earliest last sign of life first). An error file a
+    killed worker left empty or torn is reported, not read (error_files.py)."""
+    from ..error_files import TolerantProcessFailure  # torch's elastic package, only when needed
 
     codes = {r: h.poll() for r, h in procs.items()}
-    return {r: ProcessFailure(local_rank=local_of[r], pid=procs[r].pid, exitcode=codes[r],
-                              error_file=error_files[local_of[r]])
+    return {r: TolerantProcessFailure(local_rank=local_of[r], pid=procs[r].pid, exitcode=codes[r],
+                                     error_file=error_files[local_of[r]])
             for r in culprits(codes, life)}
 
 

@@ -136,3 +136,5 @@ class ReportBook:
         elif ev in ("checkpoint_failed", "checkpoint_skipped"):
             f.saving.discard(rank)
             f.done.add(rank)
+            if m.get("no_space") and f.no_space is None:
+                f.no_space = str(m.get("error", "no space for the JIT checkpoint"))

@@ -62,7 +62,8 @@ class Restorer:
             # our blocking waits must not share the heartbeat thread's connection
             self.coord = decide.Coordinator(transfer.own_connection(store), self._jit.token, self._node)
             self._server = transfer.ReplicaServer(store, self._jit.token, self._node.node_id,
-                                                  self._jit.root, self._jit.job_id).start()
+                                                  self._jit.root, self._jit.job_id,
+                                                  self._jit.identity).start()
             if rdzv_node is not None:
                 self._pulse = alive.Pulse(store, self._jit.token, self._node.node_id, rdzv_node)
                 self.silence = alive.Silence(self.coord.store, self._jit.token)
@@ -132,7 +133,8 @@ class Restorer:
         path, errors, _ = transfer.ensure_local(
             self.coord.store, self._jit.token, root=self._jit.root, job_id=self._jit.job_id, step=d.step,
             shard=shard, sources=d.sources.get(shard, []), self_node=self._node.node_id,
-            timeout_s=self._jit.save_timeout_s, listen_addr=self._node.addr, emit=self._events.emit)
+            timeout_s=self._jit.save_timeout_s, listen_addr=self._node.addr, emit=self._events.emit,
+            identity=self._jit.identity)
         if path is None:
             print(f"jitrun: no copy of step {d.step} shard {shard} could be brought to this node "
                   f"({'; '.join(errors) or 'no source'}); its ranks will refuse to start", file=sys.stderr,
@@ -150,7 +152,7 @@ class Restorer:
         jit_steps = {int(m["step"]) for m in f.saved.values()}
         abort = False
         if self.coord is None:  # no coordination store: this node's disk is all we know
-            replicas, _bad = layout.scan(self._jit.root, self._jit.job_id)
+            replicas, _bad = layout.scan(self._jit.root, self._jit.job_id, self._jit.identity)
             all_shards = set(shards.values()) | {r.shard for r in replicas} or {"0"}
             step = layout.select_step(replicas, all_shards)
             if decide.all_shards_finished({str(k): v for k, v in shards.items()}, done_ranks, all_shards):
@@ -199,7 +201,8 @@ class Restorer:
         taken as lost) and decides, the others read its decision."""
         coord = self.coord
         assert coord is not None
-        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks)
+        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks,
+                               identity=self._jit.identity)
         inv.update(last_alive=last_alive, fault_t=f.fault_t, progress=f.progress)
         coord.post(round_, inv)
         # every live agent joins within a monitor tick of the first one (the
