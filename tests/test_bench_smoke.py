@@ -671,3 +671,27 @@ def test_bench_intercept_holds_the_workers_unless_asked(tmp_path) -> None:
             assert set(out[mode][side]["added_ns"]) == {"cudaEventRecord", "cudaEventQuery", "cudaStreamWaitEvent"}
             held, batches = out[mode][side]["held_through"]
             assert batches == 20 * 4 and held == (batches if mode == "held" else 0), out[mode][side]
+
+
+def test_bench_buffers_copies_every_buffer_and_reports_both_clocks() -> None:
+    """The capture it times is the real one: after take() the mirror holds every
+    buffer, and a training forward (which moves the BatchNorm statistics) leaves
+    the mirror behind until the next take(); then one tiny real run of the script."""
+    import bench_buffers as bb
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    cap = bb.Capture(model)
+    cap.take()
+    assert cap.matches() and len(cap.buffers) == 3 and cap.nbytes() == 6 * 4 * 2 + 8
+    model.train()(torch.randn(5, 4))
+    assert not cap.matches()
+    cap.take()
+    assert cap.matches()
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_buffers.py"), "--blocks", "1", "--steps", "1",
+                        "--batch", "2", "--image-size", "32", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["buffers"] == 60 and r["copy_alone_us"] > 0, r  # ResNet-18: 20 BatchNorm layers x 3 buffers
+    for clock in ("cpu", "wall"):
+        assert r[clock]["block_ratio_median"] > 0 and r[clock]["step_ms_with"] > 0, r
