@@ -17,7 +17,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 # jitrun and the tests' subprocesses find the venv's tools first
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: all setup build test test-fast test-asan lint demo bench stress clean
+.PHONY: all setup build test test-fast test-zoo test-asan lint demo bench stress clean
 all: build
 
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
@@ -63,6 +63,10 @@ test: build criu
 
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The whole model-zoo recovery matrix (tests/test_model_zoo.py: 216 cells; make test runs a cover of 36)
+test-zoo: build
+	JITCKPT_ZOO_FULL=1 $(PY) -m pytest -n $(TEST_WORKERS) tests/test_model_zoo.py $(PYTEST_ARGS)
 
 # The shim's tests against the ASan/UBSan build of libjitintercept (the lost-device
 # test too: the shim's state crosses a CRIU dump and restore there).
