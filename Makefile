@@ -26,19 +26,20 @@ $(VENV)/bin/python:
 	  scripts/apt_install.sh python3-venv
 	python3 -m venv $(VENV)
 
-# Python deps into the venv: torch==2.13.0 as pip resolves it, from whatever
-# index pip is configured with (none configured: PyPI). PyPI's Linux build is the
-# CUDA 13.0 one (2.13.0+cu130, ~4 GB with its nvidia-* wheels; it runs on the CPU
-# where there is no GPU); a configuration that serves the CPU wheel
-# (2.13.0+cpu) gets that. Both builds are supported: the tests that put the
-# CPU stand-in under a torch process preload it ahead of torch's own CUDA
-# runtime. Stamped so re-runs cost nothing.
-$(VENV)/.stamp-setup: pyproject.toml | $(VENV)/bin/python
+# Python deps into the venv: the default torch of torch-default.txt (2.13.0; a
+# constraint: pyproject gives users the whole tested range) as pip resolves it,
+# from whatever index pip is configured with (none configured: PyPI). PyPI's
+# Linux build is the CUDA 13.0 one (2.13.0+cu130, ~4 GB with its nvidia-*
+# wheels; it runs on the CPU where there is no GPU); a configuration that serves
+# the CPU wheel (2.13.0+cpu) gets that. Both builds are supported: the tests
+# that put the CPU stand-in under a torch process preload it ahead of torch's
+# own CUDA runtime. Stamped so re-runs cost nothing.
+$(VENV)/.stamp-setup: pyproject.toml torch-default.txt | $(VENV)/bin/python
 	@command -v cc >/dev/null && command -v make >/dev/null || \
 	  scripts/apt_install.sh build-essential
 	@python3 -c 'import ctypes; ctypes.CDLL("libisal.so.2")' 2>/dev/null || \
 	  scripts/apt_install.sh libisal-dev
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -c torch-default.txt -e '.[test,bench]'
 	@$(PY) -c 'import torch; c = torch.version.cuda; \
 	  print("setup: torch", torch.__version__, "(CUDA " + c + " build)" if c else "(CPU build)")'
 	@touch $@
