@@ -17,7 +17,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 # jitrun and the tests' subprocesses find the venv's tools first
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: all setup build test test-fast test-asan lint demo bench stress clean
+.PHONY: all setup build libs test test-fast test-asan gpu-wheels lint demo bench stress clean
 all: build
 
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
@@ -45,7 +45,12 @@ $(VENV)/.stamp-setup: pyproject.toml torch-default.txt | $(VENV)/bin/python
 	@touch $@
 setup: $(VENV)/.stamp-setup
 
-build: setup
+build: setup libs
+
+# libintercept and its stand-ins (no Python needed)
+libs:
+	@command -v cc >/dev/null && command -v make >/dev/null || \
+	  scripts/apt_install.sh build-essential
 	$(MAKE) -C libintercept BUILD=$(BUILD) all test-progs
 
 lint: setup
@@ -61,6 +66,22 @@ test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) scripts/check_structure.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+# The wheels jitckpt needs beyond the lent GPU machines' image (Python 3.12, torch 2.11.0+cu130 in
+# /opt/torch/.venv, no registry), for scripts/gpu_check.sh: its runtime dependencies at the versions
+# .venv tested (cffi and its pycparser, nvidia-ml-py, setproctitle, psutil; whether the image has
+# each cannot be known from here, so all travel) in .gpu-wheels/, git-ignored: name it in the
+# device tool's `carry`.
+GPU_WHEELS := cffi pycparser nvidia-ml-py setproctitle psutil
+GPU_PYTHON ?= 3.12
+gpu-wheels: setup
+	rm -rf .gpu-wheels.tmp && mkdir .gpu-wheels.tmp
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .gpu-wheels.tmp \
+	  $$($(PIP) list --format=freeze | grep -iE '^($(subst $() ,|,$(GPU_WHEELS)))==')
+	rm -rf .gpu-wheels && mv .gpu-wheels.tmp .gpu-wheels
+	@ls .gpu-wheels
 
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
