@@ -17,7 +17,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 # jitrun and the tests' subprocesses find the venv's tools first
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: all setup build libs test test-fast test-asan gpu-wheels lint demo bench stress clean
+.PHONY: all setup build libs test test-fast test-asan test-compat gpu-wheels lint demo bench stress clean
 all: build
 
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
@@ -66,6 +66,26 @@ test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) scripts/check_structure.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+# The compatibility subset (tests/compat_subset.txt) on another torch of the
+# supported range, e.g. `make test-compat TORCH=2.14.1`: a venv of its own per
+# version, build/compat/torch-X (outside .venv; made once, ~5 GB with the CUDA
+# wheels, which is what pip resolves here as for users), jitckpt editable in it.
+COMPAT_ROOT ?= $(BUILD)/compat
+COMPAT_VENV := $(COMPAT_ROOT)/torch-$(TORCH)
+$(COMPAT_ROOT)/torch-%/.stamp: pyproject.toml
+	rm -rf $(@D)
+	python3 -m venv $(@D)
+	$(@D)/bin/python -m pip install -q 'torch==$*' -e '.[test]'
+	@$(@D)/bin/python -c 'import torch; c = torch.version.cuda; \
+	  print("test-compat: torch", torch.__version__, "(CUDA " + c + " build)" if c else "(CPU build)")'
+	@touch $@
+test-compat: libs
+	@test -n "$(TORCH)" || { echo "make test-compat: which torch? e.g. make test-compat TORCH=2.14.1" \
+	  "(a version of pyproject's range, torch>=2.11,<2.15)" >&2; exit 2; }
+	$(MAKE) $(COMPAT_VENV)/.stamp
+	PATH=$(COMPAT_VENV)/bin:$$PATH $(COMPAT_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --durations=10 \
+	  $$(grep -v '^#' tests/compat_subset.txt) $(PYTEST_ARGS)
 
 # The wheels jitckpt needs beyond the lent GPU machines' image (Python 3.12, torch 2.11.0+cu130 in
 # /opt/torch/.venv, no registry), for scripts/gpu_check.sh: its runtime dependencies at the versions

@@ -9,6 +9,7 @@ module's siblings without torch where it can.
 
 from __future__ import annotations
 
+import argparse
 from datetime import timedelta
 from typing import Any
 
@@ -28,3 +29,27 @@ def set_pg_timeout(pg: Any, timeout: timedelta) -> None:
     # group), the same function in all three (gloo and NCCL backends of the group).
     setter = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout
     setter(timeout, pg)
+
+
+def agent_shutdown_kwargs(config: Any) -> dict[str, Any]:
+    """LocalElasticAgent's keyword for how long workers get to shut down, as torchrun passes it.
+
+    torch 2.12 (checked: 2.12.1), 2.13.0 and 2.14.1: LaunchConfig.shutdown_timeout (default from
+    TORCHELASTIC_SHUTDOWN_TIMEOUT, else 30 s) and the agent's shutdown_timeout argument. torch 2.11.0
+    has neither: its agent waits its fixed 30 s, so nothing is passed.
+    """
+    timeout = getattr(config, "shutdown_timeout", None)
+    return {} if timeout is None else {"shutdown_timeout": timeout}
+
+
+def unset_master_port_default(parser: argparse.ArgumentParser) -> None:
+    """torchrun's --master-port with no default, so that a port not given can be told from one given.
+
+    torch 2.12 (checked: 2.12.1), 2.13.0 and 2.14.1 default it to None, and torchrun turns a one-node
+    launch with neither a port nor an endpoint (the bare form) into a local c10d rendezvous on a free
+    port. torch 2.11.0 defaults it to 29500, so the bare form keeps the static rendezvous on port
+    29500, and two such jobs on one machine collide (EADDRINUSE). jitrun applies the newer rule on
+    every version. A port from PET_MASTER_PORT (read into the default as a string) stays.
+    """
+    if parser.get_default("master_port") == 29500:
+        parser.set_defaults(master_port=None)

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jitckpt import contract, layout
+from jitckpt import contract, layout, torch_compat
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
 # --jit-ec-every when not given. A snapshot costs about one minibatch of CPU per rank
@@ -69,6 +69,7 @@ def _parser():
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    torch_compat.unset_master_port_default(p)
     p.prog = "jitrun"
     p.usage = ("jitrun [torchrun options] [--jit-* options] training_script [args ...]\n"
                "       jitrun plan [options]     (jitrun plan --help)\n"
