@@ -69,9 +69,20 @@ def _includes(ctx: Ctx) -> dict[str, str]:
     if cuda:
         inc["CUDA_INCLUDE"] = str(cuda)
     nccl = ctx.probe.get("libnccl.so.2")
-    if nccl and (Path(nccl).parent.parent / "include" / "nccl.h").exists():
-        inc["NCCL_INCLUDE"] = str(Path(nccl).parent.parent / "include")
+    header = Path(nccl).parent.parent / "include" / "nccl.h" if nccl else None
+    if header and header.exists():
+        theirs, ours = _nccl_version(header), _nccl_version(ROOT / "libintercept" / "abi" / "nccl_abi.h")
+        inc["NCCL_INCLUDE"] = str(header.parent) if theirs[:2] == ours[:2] else ""  # "": sim.mk finds none
+        if theirs[:2] != ours[:2]:  # check-abi proves the layout of one version's ncclConfig_t field by field
+            inc["nccl_not_checked"] = (f"torch's NCCL header is {'.'.join(map(str, theirs))}, abi/nccl_abi.h "
+                                       f"describes {'.'.join(map(str, ours))}; the shim copies a config by its "
+                                       "own size field, so an older, shorter ncclConfig_t is read as a prefix")
     return inc
+
+
+def _nccl_version(header: Path) -> tuple[int, ...]:
+    text = header.read_text(errors="replace")
+    return tuple(int(re.search(rf"#define NCCL_{k}\s+(\d+)", text).group(1)) for k in ("MAJOR", "MINOR", "PATCH"))
 
 
 def _cc(ctx: Ctx, name: str, src: Path, libdirs: dict[str, str]) -> str:
@@ -95,7 +106,7 @@ def build(ctx: Ctx) -> dict[str, Any]:
     inc = _includes(ctx)
     targets = ["shim", "check-abi"] + ([] if ctx.device else ["sim"])
     cmd = ["make", "-C", str(ROOT / "libintercept"), f"BUILD={ctx.build}", f"-j{min(os.cpu_count() or 1, 8)}",
-           *targets, *(f"{k}={v}" for k, v in inc.items())]
+           *targets, *(f"{k}={v}" for k, v in inc.items() if k.endswith("_INCLUDE"))]
     r = run(cmd, timeout=ctx.t(300))
     if r.rc != 0:
         raise fail("make -C libintercept failed", includes=inc, log=r.tail(3000))
