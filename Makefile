@@ -81,8 +81,11 @@ $(COMPAT_ROOT)/torch-%/.stamp: pyproject.toml
 	  print("test-compat: torch", torch.__version__, "(CUDA " + c + " build)" if c else "(CPU build)")'
 	@touch $@
 test-compat: libs
-	@test -n "$(TORCH)" || { echo "make test-compat: which torch? e.g. make test-compat TORCH=2.14.1" \
-	  "(a version of pyproject's range, torch>=2.11,<2.15)" >&2; exit 2; }
+	@python3 -c 'import re, sys; v = "$(TORCH)"; lo, hi = re.search(r"\"torch>=([\d.]+),<([\d.]+)\"", \
+	  open("pyproject.toml").read()).groups(); t = lambda s: tuple(map(int, s.split("."))); \
+	  ok = re.fullmatch(r"\d+\.\d+\.\d+", v) and t(lo) <= t(v) < t(hi); \
+	  ok or sys.exit(f"make test-compat: TORCH={v!r} is not a version X.Y.Z of pyproject'"'"'s range " \
+	  f"torch>={lo},<{hi}; e.g. make test-compat TORCH=2.14.1")'
 	$(MAKE) $(COMPAT_VENV)/.stamp
 	PATH=$(COMPAT_VENV)/bin:$$PATH $(COMPAT_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --durations=10 \
 	  $$(grep -v '^#' tests/compat_subset.txt) $(PYTEST_ARGS)
