@@ -17,7 +17,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 # jitrun and the tests' subprocesses find the venv's tools first
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: all setup build test test-fast test-zoo test-asan lint demo bench stress clean
+.PHONY: all setup build libs test test-fast test-zoo test-asan test-compat gpu-wheels lint demo bench stress clean
 all: build
 
 # Debian's python3-venv (ensurepip) and the C toolchain when missing.
@@ -26,25 +26,31 @@ $(VENV)/bin/python:
 	  scripts/apt_install.sh python3-venv
 	python3 -m venv $(VENV)
 
-# Python deps into the venv: torch==2.13.0 as pip resolves it, from whatever
-# index pip is configured with (none configured: PyPI). PyPI's Linux build is the
-# CUDA 13.0 one (2.13.0+cu130, ~4 GB with its nvidia-* wheels; it runs on the CPU
-# where there is no GPU); a configuration that serves the CPU wheel
-# (2.13.0+cpu) gets that. Both builds are supported: the tests that put the
-# CPU stand-in under a torch process preload it ahead of torch's own CUDA
-# runtime. Stamped so re-runs cost nothing.
-$(VENV)/.stamp-setup: pyproject.toml | $(VENV)/bin/python
+# Python deps into the venv: the default torch of torch-default.txt (2.13.0; a
+# constraint: pyproject gives users the whole tested range) as pip resolves it,
+# from whatever index pip is configured with (none configured: PyPI). PyPI's
+# Linux build is the CUDA 13.0 one (2.13.0+cu130, ~4 GB with its nvidia-*
+# wheels; it runs on the CPU where there is no GPU); a configuration that serves
+# the CPU wheel (2.13.0+cpu) gets that. Both builds are supported: the tests
+# that put the CPU stand-in under a torch process preload it ahead of torch's
+# own CUDA runtime. Stamped so re-runs cost nothing.
+$(VENV)/.stamp-setup: pyproject.toml torch-default.txt | $(VENV)/bin/python
 	@command -v cc >/dev/null && command -v make >/dev/null || \
 	  scripts/apt_install.sh build-essential
 	@python3 -c 'import ctypes; ctypes.CDLL("libisal.so.2")' 2>/dev/null || \
 	  scripts/apt_install.sh libisal-dev
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -c torch-default.txt -e '.[test,bench]'
 	@$(PY) -c 'import torch; c = torch.version.cuda; \
 	  print("setup: torch", torch.__version__, "(CUDA " + c + " build)" if c else "(CPU build)")'
 	@touch $@
 setup: $(VENV)/.stamp-setup
 
-build: setup
+build: setup libs
+
+# libintercept and its stand-ins (no Python needed)
+libs:
+	@command -v cc >/dev/null && command -v make >/dev/null || \
+	  scripts/apt_install.sh build-essential
 	$(MAKE) -C libintercept BUILD=$(BUILD) all test-progs
 
 lint: setup
@@ -60,6 +66,45 @@ test: build criu
 	$(PY) -m ruff check jitckpt launcher scripts tests
 	$(PY) scripts/check_structure.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+# The compatibility subset (tests/compat_subset.txt) on another torch of the
+# supported range, e.g. `make test-compat TORCH=2.14.1`: a venv of its own per
+# version, build/compat/torch-X (outside .venv; made once, ~5 GB with the CUDA
+# wheels, which is what pip resolves here as for users), jitckpt editable in it.
+COMPAT_ROOT ?= $(BUILD)/compat
+COMPAT_VENV := $(COMPAT_ROOT)/torch-$(TORCH)
+$(COMPAT_ROOT)/torch-%/.stamp: pyproject.toml
+	rm -rf $(@D)
+	python3 -m venv $(@D)
+	$(@D)/bin/python -m pip install -q 'torch==$*' -e '.[test]'
+	@$(@D)/bin/python -c 'import torch; c = torch.version.cuda; \
+	  print("test-compat: torch", torch.__version__, "(CUDA " + c + " build)" if c else "(CPU build)")'
+	@touch $@
+test-compat: libs
+	@python3 -c 'import re, sys; v = "$(TORCH)"; lo, hi = re.search(r"\"torch>=([\d.]+),<([\d.]+)\"", \
+	  open("pyproject.toml").read()).groups(); t = lambda s: tuple(map(int, s.split("."))); \
+	  ok = re.fullmatch(r"\d+\.\d+\.\d+", v) and t(lo) <= t(v) < t(hi); \
+	  ok or sys.exit(f"make test-compat: TORCH={v!r} is not a version X.Y.Z of pyproject'"'"'s range " \
+	  f"torch>={lo},<{hi}; e.g. make test-compat TORCH=2.14.1")'
+	$(MAKE) $(COMPAT_VENV)/.stamp
+	PATH=$(COMPAT_VENV)/bin:$$PATH $(COMPAT_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --durations=10 \
+	  $$(grep -v '^#' tests/compat_subset.txt) $(PYTEST_ARGS)
+
+# The wheels jitckpt needs beyond the lent GPU machines' image (Python 3.12, torch 2.11.0+cu130 in
+# /opt/torch/.venv, no registry), for scripts/gpu_check.sh: its runtime dependencies at the versions
+# .venv tested (cffi and its pycparser, nvidia-ml-py, setproctitle, psutil; whether the image has
+# each cannot be known from here, so all travel) in .gpu-wheels/, git-ignored: name it in the
+# device tool's `carry`.
+GPU_WHEELS := cffi pycparser nvidia-ml-py setproctitle psutil
+GPU_PYTHON ?= 3.12
+gpu-wheels: setup
+	rm -rf .gpu-wheels.tmp && mkdir .gpu-wheels.tmp
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d .gpu-wheels.tmp \
+	  $$($(PIP) list --format=freeze | grep -iE '^($(subst $() ,|,$(GPU_WHEELS)))==')
+	rm -rf .gpu-wheels && mv .gpu-wheels.tmp .gpu-wheels
+	@ls .gpu-wheels
 
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -289,10 +289,12 @@ def _arm_timeouts(timeout: timedelta) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from .torch_compat import set_pg_timeout
+
     if not dist.is_initialized():
         return
     for pg in list(c10d._world.pg_map):
         try:
-            c10d._set_pg_timeout(timeout, pg)
+            set_pg_timeout(pg, timeout)
         except (ValueError, AssertionError, RuntimeError):
             pass  # a group this rank is not part of, or a backend without timeouts

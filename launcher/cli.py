@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jitckpt import contract, layout
+from jitckpt import contract, layout, torch_compat
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
 from .arg_checks import DEFAULT_EC_EVERY, _check_ec, _check_program, _check_seconds, _check_sizes
@@ -64,6 +64,7 @@ def _parser():
     from torch.distributed.run import get_args_parser
 
     p = get_args_parser()
+    torch_compat.unset_master_port_default(p)
     p.prog = "jitrun"
     p.usage = ("jitrun [torchrun options] [--jit-* options] training_script [args ...]\n"
                "       jitrun plan [options]     (jitrun plan --help)\n"

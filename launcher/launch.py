@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from jitckpt import layout
+from jitckpt import layout, torch_compat
 
 from . import rdzv
 from .agent import JitAgent
@@ -46,7 +46,7 @@ def launch(config: LaunchConfig, cmd, cmd_args: list, *, root: Path, job_id: str
     agent = JitAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        **torch_compat.agent_shutdown_kwargs(config),
         jit=JitOptions(root=root, job_id=job_id, token=token, timeout_s=timeout_s,
                        save_timeout_s=save_timeout_s, scheduler=sched, command=list(command or []),
                        health_interval_s=health_interval_s, timeout_fixed=timeout_fixed, identity=identity,

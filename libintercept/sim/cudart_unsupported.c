@@ -1,23 +1,19 @@
 /*
  * cudart_unsupported.c - entry points of NVIDIA's libcudart.so.13 that the
- * stand-in exports but does not simulate.
+ * stand-in exports but does not simulate, and that cannot be generated.
  *
  * Why they exist: a program linked against the real runtime must be able to
- * load over the stand-in. PyTorch's CUDA build (torch 2.13.0+cu130, the build
- * pip gets from PyPI) is loaded with RTLD_NOW, so every cudaX@libcudart.so.13
- * its libraries reference must resolve, or `import torch` fails in a process
- * where the stand-in is the CUDA runtime. The list below is what those
- * libraries reference beyond what cudart.c simulates (`nm -D --undefined-only
- * torch/lib/lib*.so` of the build); test_sim_abi.py checks it against an installed CUDA build.
+ * load over the stand-in. PyTorch's CUDA build is loaded with RTLD_NOW, so
+ * every cudaX@libcudart.so.13 its libraries reference must resolve, or
+ * `import torch` fails in a process where the stand-in is the CUDA runtime.
+ * Those returning a cudaError_t are generated (sim/gen_stubs.sh, from
+ * sim/torch_imports/torch-*.txt: each supported version's imports, written by
+ * scripts/torch_cuda_imports.py); the ones here return something else.
  *
  * Behaviour: device code registration (__cudaRegisterFatBinary and friends,
  * run by the static constructors of every library holding kernels) is
  * accepted and ignored, so the library loads; launching such a kernel fails
- * as for any function jitsimRegisterKernel does not know. Every other entry
- * point returns cudaErrorNotSupported without touching its arguments and
- * without recording the error as the last error: the shim probes some of them
- * (cudaPointerGetAttributes) internally, and a probe must not leave an error
- * behind for the application's next cudaGetLastError.
+ * as for any function jitsimRegisterKernel does not know.
  */
 #include <stddef.h>
 
@@ -26,71 +22,6 @@
 #if JITSIM_CUDART_MAJOR >= 13
 
 #define API __attribute__((visibility("default")))
-
-/* The arguments are never read, so no prototype beyond the return type is
- * needed: on the supported ABIs (x86-64 System V, AArch64) the caller owns
- * its argument registers and stack. */
-#define JITSIM_UNSUPPORTED_CUDA(X)                             \
-  X(cudaDeviceCanAccessPeer)                                   \
-  X(cudaDeviceEnablePeerAccess)                                \
-  X(cudaDeviceGetAttribute)                                    \
-  X(cudaDeviceGetDefaultMemPool)                               \
-  X(cudaDeviceGetPCIBusId)                                     \
-  X(cudaFreeAsync)                                             \
-  X(cudaFuncGetAttributes)                                     \
-  X(cudaFuncSetAttribute)                                      \
-  X(cudaGetDeviceProperties)                                   \
-  X(cudaGetDriverEntryPointByVersion)                          \
-  X(cudaGetSymbolAddress)                                      \
-  X(cudaGraphAddNode)                                          \
-  X(cudaGraphConditionalHandleCreate)                          \
-  X(cudaGraphDebugDotPrint)                                    \
-  X(cudaGraphDestroy)                                          \
-  X(cudaGraphExecDestroy)                                      \
-  X(cudaGraphGetNodes)                                         \
-  X(cudaGraphInstantiateWithFlags)                             \
-  X(cudaGraphLaunch)                                           \
-  X(cudaGraphNodeGetDependencies)                              \
-  X(cudaHostAlloc)                                             \
-  X(cudaHostRegister)                                          \
-  X(cudaHostUnregister)                                        \
-  X(cudaIpcCloseMemHandle)                                     \
-  X(cudaIpcGetEventHandle)                                     \
-  X(cudaIpcGetMemHandle)                                       \
-  X(cudaIpcOpenEventHandle)                                    \
-  X(cudaIpcOpenMemHandle)                                      \
-  X(cudaKernelSetAttributeForDevice)                           \
-  X(cudaLaunchCooperativeKernel)                               \
-  X(cudaLaunchKernelExC)                                       \
-  X(cudaLibraryGetKernel)                                      \
-  X(cudaLibraryLoadData)                                       \
-  X(cudaLibraryUnload)                                         \
-  X(cudaMallocAsync)                                           \
-  X(cudaMemGetInfo)                                            \
-  X(cudaMemPoolGetAttribute)                                   \
-  X(cudaMemPoolSetAccess)                                      \
-  X(cudaMemPoolSetAttribute)                                   \
-  X(cudaMemPoolTrimTo)                                         \
-  X(cudaMemcpy2DAsync)                                         \
-  X(cudaMemcpyPeerAsync)                                       \
-  X(cudaMemcpyToSymbol)                                        \
-  X(cudaOccupancyMaxActiveBlocksPerMultiprocessor)             \
-  X(cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags)    \
-  X(cudaPointerGetAttributes)                                  \
-  X(cudaProfilerStart)                                         \
-  X(cudaProfilerStop)                                          \
-  X(cudaStreamBeginCapture)                                    \
-  X(cudaStreamBeginCaptureToGraph)                             \
-  X(cudaStreamEndCapture)                                      \
-  X(cudaStreamGetCaptureInfo)                                  \
-  X(cudaStreamIsCapturing)                                     \
-  X(cudaStreamUpdateCaptureDependencies)                       \
-  X(cudaThreadExchangeStreamCaptureMode)
-
-#define JITSIM_DEFINE_UNSUPPORTED(name) \
-  API cudaError_t name(void) { return cudaErrorNotSupported; }
-JITSIM_UNSUPPORTED_CUDA(JITSIM_DEFINE_UNSUPPORTED)
-#undef JITSIM_DEFINE_UNSUPPORTED
 
 /* ---- device code registration (crt/host_runtime.h): accepted, ignored ---- */
 

@@ -131,7 +131,7 @@ static ncclResult_t fail(ncclResult_t r, const char *fmt, ...) {
   return r;
 }
 
-/* The entry points of nccl_unsupported.c (not exported: the map keeps only nccl*). */
+/* The answer of the generated stubs (gen_stubs.sh; not exported: the map keeps only nccl*). */
 ncclResult_t jitsim_nccl_unsupported(const char *name) {
   return fail(ncclInvalidUsage, "%s: not simulated by the CPU stand-in", name);
 }

@@ -36,14 +36,33 @@ $(SIM_CORE): sim/simcore.c $(SIM_HDRS) sim/jitsimcore.map $(SIM_OUT)/.dir
 $(SIM_OUT)/cudart%.map: sim/cudart.map.in $(SIM_OUT)/.dir
 	sed 's/@MAJOR@/$*/g' $< > $@
 
-$(SIM_OUT)/libcudart.so.%: sim/cudart.c sim/cudart_unsupported.c $(SIM_HDRS) $(SIM_OUT)/cudart%.map $(SIM_CORE)
+# Not-simulated entry points, generated: what the supported torch versions'
+# CUDA builds import (sim/torch_imports/, from scripts/torch_cuda_imports.py)
+# less what the hand-written sources define (their objects, read with nm).
+SIM_IMPORTS := $(sort $(wildcard sim/torch_imports/torch-*.txt))
+SIM_GEN     := $(SIM_OUT)/gen
+$(SIM_GEN)/.dir:
+	mkdir -p $(SIM_GEN) && touch $@
+$(SIM_GEN)/cudart.o: sim/cudart.c $(SIM_HDRS) $(SIM_GEN)/.dir
+	$(CC) $(SIM_CFLAGS) -DJITSIM_CUDART_MAJOR=13 -c -o $@ $<
+$(SIM_GEN)/cudart_unsupported.o: sim/cudart_unsupported.c $(SIM_HDRS) $(SIM_GEN)/.dir
+	$(CC) $(SIM_CFLAGS) -DJITSIM_CUDART_MAJOR=13 -c -o $@ $<
+$(SIM_GEN)/nccl.o: sim/nccl.c $(SIM_HDRS) $(SIM_GEN)/.dir
+	$(CC) $(SIM_CFLAGS) -c -o $@ $<
+$(SIM_GEN)/cudart_stubs.c: sim/gen_stubs.sh $(SIM_IMPORTS) $(SIM_GEN)/cudart.o $(SIM_GEN)/cudart_unsupported.o
+	sh sim/gen_stubs.sh cudart $@ "$(SIM_IMPORTS)" $(SIM_GEN)/cudart.o $(SIM_GEN)/cudart_unsupported.o
+$(SIM_GEN)/nccl_stubs.c: sim/gen_stubs.sh $(SIM_IMPORTS) $(SIM_GEN)/nccl.o
+	sh sim/gen_stubs.sh nccl $@ "$(SIM_IMPORTS)" $(SIM_GEN)/nccl.o
+
+$(SIM_OUT)/libcudart.so.%: sim/cudart.c sim/cudart_unsupported.c $(SIM_GEN)/cudart_stubs.c $(SIM_HDRS) \
+                           $(SIM_OUT)/cudart%.map $(SIM_CORE)
 	$(CC) $(SIM_CFLAGS) -DJITSIM_CUDART_MAJOR=$* $(SIM_LDFLAGS) -Wl,-soname,libcudart.so.$* \
 	  -Wl,--version-script=$(SIM_OUT)/cudart$*.map -o $@ sim/cudart.c sim/cudart_unsupported.c \
-	  -L$(SIM_OUT) -ljitsimcore -Wl,-rpath,'$$ORIGIN' -Wl,-Bsymbolic-functions
+	  $(SIM_GEN)/cudart_stubs.c -L$(SIM_OUT) -ljitsimcore -Wl,-rpath,'$$ORIGIN' -Wl,-Bsymbolic-functions
 
-$(SIM_OUT)/libnccl.so.2: sim/nccl.c sim/nccl_unsupported.c $(SIM_HDRS) sim/nccl.map $(SIM_CORE)
+$(SIM_OUT)/libnccl.so.2: sim/nccl.c $(SIM_GEN)/nccl_stubs.c $(SIM_HDRS) sim/nccl.map $(SIM_CORE)
 	$(CC) $(SIM_CFLAGS) $(SIM_LDFLAGS) -Wl,-soname,libnccl.so.2 \
-	  -Wl,--version-script=sim/nccl.map -o $@ sim/nccl.c sim/nccl_unsupported.c \
+	  -Wl,--version-script=sim/nccl.map -o $@ sim/nccl.c $(SIM_GEN)/nccl_stubs.c \
 	  -L$(SIM_OUT) -ljitsimcore -lrt -Wl,-rpath,'$$ORIGIN'
 
 # Link-time names, as in a CUDA toolkit: libcudart.so -> the newest runtime.
