@@ -38,6 +38,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from datetime import timedelta
 
 from . import contract
@@ -220,15 +221,33 @@ def _hook_ddp_init(rt: Runtime, DDP) -> None:
 
         mirror = buffers.add(self.module, synced_by=self)
         # The minibatch start before DDP's forward (its collectives may fail), the buffers'
-        # capture and the rest of the start inside it, after DDP's buffer broadcast.
-        self.register_forward_pre_hook(functools.partial(_ddp_forward, rt))
-        self.module.register_forward_pre_hook(functools.partial(_module_forward, rt, mirror))
+        # capture and the rest of the start inside it, after DDP's buffer broadcast (_pre_forward).
+        # Closures, not partials of the runtime: a hook is copied with the module (copy.deepcopy,
+        # AveragedModel), and the runtime's locks cannot be; nothing is hooked on the wrapped
+        # module, which torch.compile would trace differently.
+        self.register_forward_pre_hook(lambda mod, inp: _ddp_forward(rt, mod, inp))
+        _after_sync[self] = lambda ddp: _module_forward(rt, mirror, ddp.module, None)
         track_ddp(self)
         tracked.add_model(self)  # the state the replicas compare (verifier.py)
         buffers.announce_unsynced(self, rt.cfg.rank)
 
     ddp_init.__jitckpt_wrapped__ = orig_init
     DDP.__init__ = ddp_init
+    orig_pre = DDP._pre_forward  # private; the same method in torch 2.11-2.14
+
+    @functools.wraps(orig_pre)
+    def pre_forward(self, *inputs, **kwargs):
+        out = orig_pre(self, *inputs, **kwargs)
+        after = _after_sync.get(self)
+        if after is not None:
+            after(self)
+        return out
+
+    DDP._pre_forward = pre_forward
+
+
+# DDP model -> what runs once its _pre_forward (the buffer broadcast) returned; weak: never keeps one alive
+_after_sync: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _training(mod) -> bool:

@@ -18,13 +18,11 @@ script's own ZOO_FAULT. Every run must end with every rank's final state (model
 with its buffers, optimizer, scheduler, EMA) bit-identical to a failure-free
 plain-torchrun run of the same script, every process's exit code as expected,
 and at most one minibatch whose optimizer step ran twice (tests/zoo_checks.py).
-Two cases have BatchNorm running statistics no replica holds
-(docs/recovery.md, "Buffers that are not replicas"): under
-``broadcast_buffers=False`` the failed rank's own, and with broadcast buffers
-rank 0's statistics of the minibatch before when rank 0 fails in the forward
-phase (its training forward's pre-hook, before DDP broadcasts them). There
-the statistics (of the failed rank / of every rank) are not compared, the run
-must say so, and everything else stays bit for bit.
+One case has BatchNorm running statistics no replica holds (docs/recovery.md,
+"Buffers that are not replicas"): under ``broadcast_buffers=False`` the failed
+rank's own. There the failed rank's statistics are not compared, the run must
+say so, and everything else stays bit for bit. (A forward fault fires inside the
+training forward, after DDP's buffer broadcast: rank 0 failing there is exact.)
 ``first`` uses the backward phase and ``last`` the forward one: a forward fault
 at step 4 could also fire in epoch 0's validation (4 steps done there too).
 
@@ -43,7 +41,6 @@ from pathlib import Path
 import pytest
 from zoo_checks import (
     EXACT,
-    NPROC,
     Fault,
     Statistics,
     check_recovered,
@@ -96,11 +93,8 @@ def statistics_of(model: str, point: str, rank: int) -> Statistics:
     (docs/recovery.md, "Buffers that are not replicas")."""
     if model == "resnet-nobb":  # each rank's own: the failed rank's died with it
         return Statistics(frozenset({rank}), "[jitckpt] DDP model with broadcast_buffers=False")
-    if model in ("resnet", "accum", "compiled") and rank == 0 and PHASE_STEP.get(point, ("",))[0] == "forward":
-        # rank 0 ends at its training forward's pre-hook, before DDP broadcasts its statistics of the
-        # minibatch before: no survivor has them (rank 1 saves its own, and says so)
-        return Statistics(frozenset(range(NPROC)),
-                          "[jitckpt] rank 1: WARNING: this JIT checkpoint holds rank 1's own module buffers")
+    # a forward fault fires inside the training forward, after DDP's buffer broadcast: every survivor
+    # captured rank 0's statistics, so even rank 0 failing there restores them exactly
     return EXACT
 
 

@@ -200,6 +200,14 @@ class Job:
         self.ddp = DDP(self.module, broadcast_buffers=args.model != "resnet-nobb")
         self.forward: Callable = self.ddp
         if args.model == "compiled":
+            # Inductor compiles in one thread of the rank itself, not in its pool of compile-worker
+            # processes. Seen once under a load of ~10 on 2 cores: both ranks' first forward compiled
+            # for over 10 s, the hang watch found them "idle outside collectives" (waiting on those
+            # workers) and took it for a lost collective, a restart loop at step 0. Not yet understood;
+            # until it is, this cell tests recovery, not the hang watch under a slow compile.
+            import torch._inductor.config as inductor_config
+
+            inductor_config.compile_threads = 1
             self.forward = torch.compile(self.ddp, backend=args.compile_backend)
         self.opt, self.sched = self._optim()
         self.ema = None
