@@ -27,7 +27,8 @@ from jitckpt.config import EXIT_SAVED
 
 STEPS = 16
 FAULT_STEP = 8
-HOLD_STEP, HOLD_S = 3, 60  # (a loaded machine refused B after > 25 s) both of job A's ranks wait before this minibatch while B is tried (no collective waits)
+# 60 s: under a load of ~15 the refusal of B took longer than 25 s
+HOLD_STEP, HOLD_S = 3, 60  # both of job A's ranks wait before this minibatch while B is tried (no collective waits)
 
 
 def _cmd(tmp: Path, seed: int) -> list[str]:
