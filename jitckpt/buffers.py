@@ -54,6 +54,7 @@ class Mirror:
         self.live = [b for _, b in named]
         import torch
 
+        self._torch = torch  # looked up once: capture runs at every minibatch start
         with torch.no_grad():
             self.copy = [torch.empty_like(b) for b in self.live]
 
@@ -70,8 +71,7 @@ class Mirror:
         if not self.live:
             self.captured_at = step
             return
-        import torch
-
+        torch = self._torch
         with torch.no_grad():
             # one fused copy into memory allocated once: nothing allocated per step
             torch._foreach_copy_(self.copy, self.live)

@@ -277,6 +277,7 @@ def update_ranks(root: Path, ranks: dict[int, dict] | None = None, *, drop: tupl
 
 
 def _alive(pid: object) -> bool:
+    """A process of that PID exists (signal 0; one owned by another user counts)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
