@@ -153,6 +153,8 @@ def install(rt: Runtime, detect: bool = True) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    global _grad_enabled
+    _grad_enabled = torch.is_grad_enabled
     register_optimizer_step_pre_hook(lambda opt, a, k: rt.on_optimizer_pre())
     register_optimizer_step_post_hook(functools.partial(_after_step, rt))
 
@@ -250,12 +252,13 @@ def _hook_ddp_init(rt: Runtime, DDP) -> None:
 _after_sync: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_grad_enabled = None  # torch.is_grad_enabled, bound by install(): read at every forward
+
+
 def _training(mod) -> bool:
     """A forward that can start a minibatch: grad enabled and the module in training mode
     (evaluation passes, EMA evaluation and logging forwards do not)."""
-    import torch
-
-    return mod.training and torch.is_grad_enabled()
+    return mod.training and _grad_enabled()
 
 
 def _ddp_forward(rt: Runtime, mod, inp) -> None:
