@@ -48,9 +48,11 @@ def _prctl_pdeathsig(sig: int) -> bool:
 
 
 def agent_gone() -> bool:
-    """This worker's jitrun agent has died (False outside jitrun)."""
+    """This worker's jitrun agent has died (False outside jitrun, and for a
+    ``--jit-migratable`` worker: PID 1 of its own PID namespace sees no PID of
+    the agent's, so the probe would take a live agent for a dead one)."""
     agent = contract.AGENT_PID.get()
-    return bool(agent) and not _alive(agent)
+    return bool(agent) and not contract.MIGRATABLE.get() and not _alive(agent)
 
 
 def bind(sig: int, expected_parent: int | None = None, agent: int | None = None) -> bool:

@@ -140,3 +140,18 @@ def test_workers_of_a_dead_launcher_that_still_run_refuse_a_relaunch(tmp_path):
     assert lines[0].startswith("jitrun: error: workers of an earlier run") and f"PIDs {sleeper.pid}" in lines[0]
     assert f"kill {sleeper.pid}" in lines[0]
     assert not (jit / "events.jsonl").exists() and not (jit / "job.json").exists()
+
+
+def test_a_migratable_worker_never_takes_its_agent_for_dead(monkeypatch):
+    """PID 1 of its own PID namespace sees no PID of the agent's: the liveness
+    probe would say "gone" for a live agent, and the worker would stop reporting
+    (no registration, no saves: every recovery of a --jit-migratable job lost)."""
+    from jitckpt import parent_death
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv("JITCKPT_AGENT_PID", str(dead.pid))
+    monkeypatch.delenv("JITCKPT_MIGRATABLE", raising=False)
+    assert parent_death.agent_gone()
+    monkeypatch.setenv("JITCKPT_MIGRATABLE", "1")
+    assert not parent_death.agent_gone()
