@@ -226,10 +226,10 @@ def _hints(log: str) -> str:
         hints.append("this CRIU lacks the kernel >= 6.16 SO_PASSCRED/SO_PASSSEC fix: " + PROVISION_HINT)
     if "Can't lookup mount" in log:
         hints.append("the task has a mount namespace of its own (unshare --mount-proc?); start it with "
-                     "launcher.criu.migratable_command, which keeps the parent's")
+                     "jitrun.criu.migratable_command, which keeps the parent's")
     if "nested pid namespace" in log:
         hints.append("that PID is the parent of a PID namespace (unshare?); dump the namespace's PID 1 "
-                     "(launcher.criu.ns_init_pid)")
+                     "(jitrun.criu.ns_init_pid)")
     if re.search(r"has bad size|has changed size|Can't open file .* on restore", log):
         hints.append("a file the process had open is missing or changed since the dump; copy it to "
                      "the same path on this node (with the images)")

@@ -117,8 +117,9 @@ def main() -> int:
             print(json.dumps(bench_jitrun(args.d_model)), flush=True)
         return 0
     import torch.distributed as dist
-    from jitrun import criu
     from test_migrate_mechanism import WORKER, _free_port
+
+    from jitrun import criu
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored rank becomes ours
     tmp = Path(tempfile.mkdtemp(prefix="jitckpt-bench-migrate-"))

@@ -76,9 +76,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from jitckpt import auth  # noqa: E402
 from jitckpt.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
-from launcher import decide, rdzv  # noqa: E402
-from launcher.recovery.episode import Failure  # noqa: E402
-from launcher.recovery.reports import ReportBook  # noqa: E402
+from jitrun import decide, rdzv  # noqa: E402
+from jitrun.recovery.episode import Failure  # noqa: E402
+from jitrun.recovery.reports import ReportBook  # noqa: E402
 
 BUCKETS = ("rdzv", "decide", "reports")
 STEP = 120  # the step the simulated ranks were at when the node failed
@@ -438,7 +438,7 @@ def _restore_fetch(port: int, token: str, src_root: Path, source: dict, dst: Pat
     both counted; ``listen``: the requester's address for the direct stream (None:
     the store path)."""
     from jitckpt import layout
-    from launcher import transfer
+    from jitrun import transfer
 
     tally = Tally()
     serving, fetching = client(port, tally, "decide"), client(port, tally, "decide")

@@ -1,7 +1,10 @@
 """The code's shape, checked in `make test`: no module of jitckpt/ or
-launcher/ over MAX_FILE lines, no function over MAX_FUNC lines, and no
+launcher/ over MAX_FILE lines, no function over MAX_FUNC lines, no
 import cycle between the modules of either package (imports inside
-functions count: a cycle hidden that way is still a cycle)."""
+functions count: a cycle hidden that way is still a cycle), and one
+import name for the launcher package: ``jitrun`` (its directory's name,
+``launcher``, imports only from a checkout's root and would load every
+module a second time beside the installed ``jitrun`` ones)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"jitckpt": ROOT / "jitckpt", "jitrun": ROOT / "launcher"}
 MAX_FILE = 600
 MAX_FUNC = 60
+# where Python code that imports the packages lives
+SOURCES = ("jitckpt", "launcher", "scripts", "tests")
 
 
 def modules() -> dict[str, Path]:
@@ -44,13 +49,24 @@ def imports(name: str, path: Path, tree: ast.AST, known: set[str]) -> set[str]:
         else:
             continue
         for t in targets:
-            if t.startswith("launcher."):
-                t = "jitrun." + t[len("launcher."):]
             while t and t not in known:
                 t = t.rpartition(".")[0]
             if t and t != name:
                 found.add(t)
     return found
+
+
+def launcher_imports() -> list[str]:
+    """Imports of the launcher package by its directory's name, not ``jitrun``."""
+    out = []
+    for d in SOURCES:
+        for p in sorted((ROOT / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                out += [f"{p.relative_to(ROOT)}:{node.lineno}: imports {n!r}: import it as 'jitrun'"
+                        for n in names if n == "launcher" or n.startswith("launcher.")]
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -114,6 +130,7 @@ def main() -> int:
         graph[name] = {t for t in graph[name] if not (mods[name].name == "__init__.py" and t.startswith(name + "."))}
     for comp in cycles(graph):
         problems.append("import cycle: " + " <-> ".join(comp))
+    problems += launcher_imports()
     for p in problems:
         print(p)
     print(f"check_structure: {len(mods)} modules, {len(problems)} problem(s)")

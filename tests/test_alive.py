@@ -6,8 +6,9 @@ import time
 from datetime import timedelta
 
 import pytest
-from jitrun.recovery import alive
 from torch.distributed import TCPStore
+
+from jitrun.recovery import alive
 
 TOKEN = "t" * 32
 

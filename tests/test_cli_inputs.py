@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from jitrun import cli, launch
 from jitrun.devices import scheduler
 

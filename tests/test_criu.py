@@ -24,10 +24,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 from jitckpt import contract
+from jitrun import criu
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150  # 20 ms each: the dump must land mid-run even on a loaded machine

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from jitrun import decide, netconf, transfer
 
 from jitckpt import contract, layout
 from jitckpt.consistency import FRESH, StateDivergence, check_loaded
+from jitrun import decide, netconf, transfer
 
 
 def inv(node: str, *reps: tuple[int, str, int]) -> dict:

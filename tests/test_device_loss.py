@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 
 import pytest
-from jitrun.migration import device_loss
 from netns import MigratableProcs
+
+from jitrun.migration import device_loss
 
 sys.path.insert(0, str(Path(__file__).parent / "intercept" / "shim_progs"))
 import dpjob  # noqa: E402

@@ -11,10 +11,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from jitrun import criu, doctor
 from netns import Cluster
 
 from jitckpt import contract
+from jitrun import criu, doctor
 
 ROOT = Path(__file__).resolve().parent.parent
 

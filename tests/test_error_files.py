@@ -203,8 +203,9 @@ def test_torchs_own_poll_survives_any_error_file(tmp_path, monkeypatch, state):
     jitrun's reader installed: a worker that left an empty, torn, unreadable or foreign
     error file and was killed is reported from its exit code, the file's state named in
     the message and handed to the agent's timeline callback; a complete file is read."""
-    from jitrun import error_files
     from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    from jitrun import error_files
 
     monkeypatch.setattr(mp_api, "ProcessFailure", mp_api.ProcessFailure)  # undone after the test
     seen = []

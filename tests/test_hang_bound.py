@@ -13,7 +13,7 @@ import pytest
 from jitckpt import contract
 from jitckpt.hang_bound import FLOOR_S, MULT, STARTUP_S, HangBound, Rule, parse_timeout, quantile
 from jitckpt.rank_status import StatusReader, StatusWriter
-from launcher.recovery.hang import Facts, assess
+from jitrun.recovery.hang import Facts, assess
 
 
 def warm(m: HangBound, n: int = 50, mb: float = 0.1) -> HangBound:
@@ -216,7 +216,7 @@ def test_hang_watch_confirms_here_or_asks_the_laggards_node(tmp_path):
     import subprocess
     import sys
 
-    from launcher.recovery.hang import HangWatch
+    from jitrun.recovery.hang import HangWatch
 
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:
@@ -260,7 +260,7 @@ def test_hang_watch_confirms_when_the_laggards_node_is_silent(tmp_path):
     import subprocess
     import sys
 
-    from launcher.recovery.hang import HangWatch
+    from jitrun.recovery.hang import HangWatch
 
     kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -319,7 +319,7 @@ def test_lost_collective_across_nodes_confirmed_by_the_others_word(tmp_path):
     import subprocess
     import sys
 
-    from launcher.recovery.hang import HangWatch
+    from jitrun.recovery.hang import HangWatch
 
     kids = [subprocess.Popen([sys.executable, "-c", "print(1, flush=True); import time; time.sleep(60)"],
                              stdout=subprocess.PIPE) for _ in range(2)]
@@ -371,7 +371,7 @@ def test_stopped_laggard_ends_at_the_floor_not_the_learned_bound(tmp_path):
 
     import psutil
 
-    from launcher.recovery.hang import HangWatch
+    from jitrun.recovery.hang import HangWatch
 
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:

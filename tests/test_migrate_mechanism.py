@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-from jitrun import criu
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 from jitckpt import auth, contract
+from jitrun import criu
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -335,6 +335,7 @@ def test_store_request_pauses_every_rank_at_its_next_minibatch_start(criu_bin, l
     rebuild under the migration's prefix. Zero minibatches redone."""
     pytest.importorskip("torch")
     import torch.distributed as dist
+
     from jitrun import migrate
 
     ref, ref_ctl = _reference(tmp_path, local, env={"MIG_DDP": str(int(ddp))})
@@ -392,9 +393,9 @@ def test_every_rank_pauses_at_the_same_minibatch_start_whenever_it_saw_the_reque
     that sees it only past that step (no per-step collectives) pauses at once."""
     pytest.importorskip("torch")
     import torch.distributed as dist
-    from jitrun import migrate
 
     from jitckpt import migrate_worker as mw
+    from jitrun import migrate
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     w0, w1, w2 = (mw.Watch(server, "tok") for _ in range(3))

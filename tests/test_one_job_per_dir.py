@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
-from jitrun import jobdir, joblock
 
 from jitckpt import layout
 from jitckpt.config import EXIT_SAVED
+from jitrun import jobdir, joblock
 
 STEPS = 16
 FAULT_STEP = 8

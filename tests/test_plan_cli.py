@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from jitrun import plan
 
 REPO = Path(__file__).resolve().parent.parent

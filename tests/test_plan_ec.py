@@ -7,9 +7,9 @@ import json
 import math
 
 import pytest
-from jitrun import plan
 
 from jitckpt import model
+from jitrun import plan
 
 F = model.failures_per_gpu_second(2e-3)
 P = model.CostParams(ckpt_seconds=60.0, restore_seconds=30.0, minibatch_seconds=1.0, failure_rate=F)

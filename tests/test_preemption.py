@@ -27,9 +27,9 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import TRAIN, Job, assert_same_state, jitrun, run_reference, run_tree
-from jitrun.preempt import EXIT_PREEMPTED, Preemption, torch_signals
 
 from jitckpt import layout
+from jitrun.preempt import EXIT_PREEMPTED, Preemption, torch_signals
 
 STEPS = 16
 AT = 6  # the minibatch the signal comes in (or after whose optimizer step)

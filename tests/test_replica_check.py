@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from jitrun.recovery.episode import Failure
-from jitrun.recovery.record import recovery_record, verified_fingerprint
-from jitrun.recovery.reports import ReportBook
 
 from jitckpt import auth, replica_check
 from jitckpt.fingerprint import compute
+from jitrun.recovery.episode import Failure
+from jitrun.recovery.record import recovery_record, verified_fingerprint
+from jitrun.recovery.reports import ReportBook
 
 TOKEN = "replica-check-token-0123456789abcdef"
 

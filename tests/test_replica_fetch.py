@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from jitrun import stream, transfer
 from netns import Cluster, wait_for_line
 from test_security import outside, tree
 
 from jitckpt import auth, contract, layout
+from jitrun import stream, transfer
 
 TOKEN = "replica-fetch-token-0123456789"
 PAYLOAD = bytes(range(256)) * 70000  # ~17 MiB: several socket buffers and store chunks

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from jitrun import events
 from jitrun.devices import scheduler
 from jitrun.devices.scheduler import Placement, SchedulerError

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
-from jitrun import decide, migrate, migrate_agent, stream, transfer
-from jitrun.events import EventLog
 
 from jitckpt import auth, consistency, contract, ec_files, layout, migrate_worker
 from jitckpt.report import Reporter, ReportReader
+from jitrun import decide, migrate, migrate_agent, stream, transfer
+from jitrun.events import EventLog
 
 TOKEN = "sec-test-token-0123456789abcdef"
 

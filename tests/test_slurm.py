@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
+
 from jitrun.devices import scheduler
 from jitrun.devices.scheduler import SchedulerError
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 from conftest import TRAIN, assert_same_state
+
 from jitrun.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from jitrun import stream, transfer
 
 TOKEN = "t0ken-0123456789abcdef"

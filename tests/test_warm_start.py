@@ -142,9 +142,9 @@ def test_wakeup_on_process_exit():
 
 def test_wakeup_on_report():
     import torch.distributed as dist
-    from jitrun.wakeup import Wakeup
 
     from jitckpt.report import Reporter
+    from jitrun.wakeup import Wakeup
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=30))
@@ -164,8 +164,9 @@ def test_wakeup_on_report():
 
 
 def test_rendezvous_names_events_without_inspect():
-    from jitrun import rdzv
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from jitrun import rdzv
 
     rdzv._speed_up()
 
