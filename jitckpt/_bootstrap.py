@@ -39,21 +39,21 @@ def _keep_groups() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    orig = c10d.destroy_process_group
-    if getattr(orig, "__jitckpt_wrapped__", None):
-        return
+    from .torch_compat import patch
+    from .torch_compat.worker import process_groups
 
-    def destroy_process_group(group=None):
-        _kept.extend(c10d._world.pg_map if group is None else [group])
-        return orig(group)
+    def make(orig):
+        def destroy_process_group(group=None):
+            _kept.extend(process_groups() if group is None else [group])
+            return orig(group)
 
-    destroy_process_group.__jitckpt_wrapped__ = orig
-    # the list itself, for migrate_worker.teardown: this module usually runs as __main__
-    # (python -m jitckpt._bootstrap), so "jitckpt._bootstrap._kept" would be another copy
-    destroy_process_group.__jitckpt_kept__ = _kept
-    destroy_process_group.__doc__ = orig.__doc__
-    c10d.destroy_process_group = destroy_process_group
-    dist.destroy_process_group = destroy_process_group
+        # the list itself, for migrate_worker.teardown: this module usually runs as __main__
+        # (python -m jitckpt._bootstrap), so "jitckpt._bootstrap._kept" would be another copy
+        destroy_process_group.__jitckpt_kept__ = _kept
+        destroy_process_group.__doc__ = orig.__doc__
+        return destroy_process_group
+
+    patch(c10d, "destroy_process_group", make, dist)
 
 
 _opened: weakref.WeakSet = weakref.WeakSet()  # files the script opened for writing

@@ -54,7 +54,10 @@ class Mirror:
         self.live = [b for _, b in named]
         import torch
 
-        self._torch = torch  # looked up once: capture runs at every minibatch start
+        from .torch_compat.worker import foreach_copy
+
+        # looked up once: capture runs at every minibatch start
+        self._torch, self._copy_ = torch, foreach_copy()
         with torch.no_grad():
             self.copy = [torch.empty_like(b) for b in self.live]
 
@@ -71,10 +74,9 @@ class Mirror:
         if not self.live:
             self.captured_at = step
             return
-        torch = self._torch
-        with torch.no_grad():
+        with self._torch.no_grad():
             # one fused copy into memory allocated once: nothing allocated per step
-            torch._foreach_copy_(self.copy, self.live)
+            self._copy_(self.copy, self.live)
         self.captured_at = step
 
     def rewind(self, step: int) -> list[str]:

@@ -41,10 +41,12 @@ import threading
 import weakref
 from datetime import timedelta
 
-from . import contract
+from . import contract, torch_compat
 from .collective_errors import find_collective_error, is_collective_error
 from .config import shim_preloaded
 from .runtime import Phase, Runtime
+from .torch_compat import set_pg_timeout
+from .torch_compat.worker import patch_ddp_pre_forward, patch_env_rendezvous, process_groups
 
 _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -94,7 +96,6 @@ def _guard(rt: Runtime, fn):
             if timed:
                 rt.waits.leave()
 
-    wrapper.__jitckpt_wrapped__ = fn
     return wrapper
 
 
@@ -114,7 +115,6 @@ def _raise_guard(rt: Runtime, fn):
             if timed:
                 rt.waits.leave()
 
-    wrapper.__jitckpt_wrapped__ = fn
     return wrapper
 
 
@@ -141,8 +141,27 @@ def _wait_guard(rt: Runtime, fn):
             if timed:
                 rt.waits.leave()
 
-    wait.__jitckpt_wrapped__ = fn
     return wait
+
+
+def _backward_guard(rt: Runtime, fn, detect: bool):
+    """``torch.autograd.backward`` (``Tensor.backward`` calls it): the backward phase; with
+    ``detect``, a failed collective inside it (DDP's all-reduces) handed to the runtime."""
+    @functools.wraps(fn)
+    def backward(tensors, *args, **kwargs):
+        rt.on_backward(tensors)
+        timed = detect and _waiting(rt)  # DDP's gradient all-reduces are waited for inside
+        try:
+            return fn(tensors, *args, **kwargs)
+        except RuntimeError as e:
+            if detect and is_collective_error(e):
+                rt.on_collective_error(e)
+            raise
+        finally:
+            if timed:
+                rt.waits.leave()
+
+    return backward
 
 
 def install(rt: Runtime, detect: bool = True) -> None:
@@ -159,35 +178,15 @@ def install(rt: Runtime, detect: bool = True) -> None:
     register_optimizer_step_post_hook(functools.partial(_after_step, rt))
 
     _hook_ddp_init(rt, DDP)
-    orig_backward = torch.autograd.backward
-
-    @functools.wraps(orig_backward)
-    def backward(tensors, *args, **kwargs):
-        rt.on_backward(tensors)
-        timed = detect and _waiting(rt)  # DDP's gradient all-reduces are waited for inside
-        try:
-            return orig_backward(tensors, *args, **kwargs)
-        except RuntimeError as e:
-            if detect and is_collective_error(e):
-                rt.on_collective_error(e)
-            raise
-        finally:
-            if timed:
-                rt.waits.leave()
-
-    torch.autograd.backward = backward
+    torch_compat.patch(torch.autograd, "backward", lambda orig: _backward_guard(rt, orig, detect))
     _isolate_attempts(rt.cfg.attempt)
     if not detect:
         return
 
     for name in _COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is not None and not hasattr(fn, "__jitckpt_wrapped__"):
-            setattr(dist, name, _guard(rt, fn))
-    if not hasattr(DDP.forward, "__jitckpt_wrapped__"):
-        DDP.forward = _raise_guard(rt, DDP.forward)
-    if not hasattr(dist.Work.wait, "__jitckpt_wrapped__"):
-        dist.Work.wait = _wait_guard(rt, dist.Work.wait)
+        torch_compat.patch(dist, name, lambda fn: _guard(rt, fn))
+    torch_compat.patch(DDP, "forward", lambda fn: _raise_guard(rt, fn))
+    torch_compat.patch(dist.Work, "wait", lambda fn: _wait_guard(rt, fn))
 
     pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded(), fixed=rt.waits is None)
     rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
@@ -211,41 +210,36 @@ def _after_step(rt: Runtime, opt, args, kwargs) -> None:
 
 def _hook_ddp_init(rt: Runtime, DDP) -> None:
     """Every DDP model gets a forward pre-hook (the minibatch start) and is tracked for migration."""
-    if hasattr(DDP.__init__, "__jitckpt_wrapped__"):
-        return
-    orig_init = DDP.__init__
 
-    @functools.wraps(orig_init)
-    def ddp_init(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        from . import buffers, tracked
-        from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
+    def make(orig_init):
+        @functools.wraps(orig_init)
+        def ddp_init(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            from . import buffers, tracked
+            from .migrate_worker import track_ddp  # a migration's teardown detaches its reducer
 
-        mirror = buffers.add(self.module, synced_by=self)
-        # The minibatch start before DDP's forward (its collectives may fail), the buffers'
-        # capture and the rest of the start inside it, after DDP's buffer broadcast (_pre_forward).
-        # Closures, not partials of the runtime: a hook is copied with the module (copy.deepcopy,
-        # AveragedModel), and the runtime's locks cannot be; nothing is hooked on the wrapped
-        # module, which torch.compile would trace differently.
-        self.register_forward_pre_hook(lambda mod, inp: _ddp_forward(rt, mod, inp))
-        _after_sync[self] = lambda ddp: _module_forward(rt, mirror, ddp.module, None)
-        track_ddp(self)
-        tracked.add_model(self)  # the state the replicas compare (verifier.py)
-        buffers.announce_unsynced(self, rt.cfg.rank)
+            mirror = buffers.add(self.module, synced_by=self)
+            # The minibatch start before DDP's forward (its collectives may fail), the buffers'
+            # capture and the rest of the start inside it, after DDP's buffer broadcast (_pre_forward).
+            # Closures, not partials of the runtime: a hook is copied with the module (copy.deepcopy,
+            # AveragedModel), and the runtime's locks cannot be; nothing is hooked on the wrapped
+            # module, which torch.compile would trace differently.
+            self.register_forward_pre_hook(lambda mod, inp: _ddp_forward(rt, mod, inp))
+            _after_sync[self] = lambda ddp: _module_forward(rt, mirror, ddp.module, None)
+            track_ddp(self)
+            tracked.add_model(self)  # the state the replicas compare (verifier.py)
+            buffers.announce_unsynced(self, rt.cfg.rank)
 
-    ddp_init.__jitckpt_wrapped__ = orig_init
-    DDP.__init__ = ddp_init
-    orig_pre = DDP._pre_forward  # private; the same method in torch 2.11-2.14
+        return ddp_init
 
-    @functools.wraps(orig_pre)
-    def pre_forward(self, *inputs, **kwargs):
-        out = orig_pre(self, *inputs, **kwargs)
-        after = _after_sync.get(self)
-        if after is not None:
-            after(self)
-        return out
+    if torch_compat.patch(DDP, "__init__", make):
+        patch_ddp_pre_forward(_synced)
 
-    DDP._pre_forward = pre_forward
+
+def _synced(ddp) -> None:
+    after = _after_sync.get(ddp)
+    if after is not None:
+        after(ddp)
 
 
 # DDP model -> what runs once its _pre_forward (the buffer broadcast) returned; weak: never keeps one alive
@@ -285,19 +279,14 @@ def _isolate_attempts(attempt: int) -> None:
     """
     import torch.distributed as dist
 
-    # the module, not the function torch.distributed.rendezvous that shadows it
-    rdzv = sys.modules["torch.distributed.rendezvous"]
-    orig = rdzv._rendezvous_handlers["env"]
-    if getattr(orig, "__jitckpt_wrapped__", None):
-        return
+    def make(orig):
+        def env_handler(url, **kwargs):
+            for store, rank, world_size in orig(url, **kwargs):
+                yield dist.PrefixStore(f"jitckpt/attempt_{attempt}", store), rank, world_size
 
-    def env_handler(url, **kwargs):
-        for store, rank, world_size in orig(url, **kwargs):
-            yield dist.PrefixStore(f"jitckpt/attempt_{attempt}", store), rank, world_size
+        return env_handler
 
-    env_handler.__jitckpt_wrapped__ = orig
-    # register_rendezvous_handler refuses to replace a scheme; the table is the API it fills
-    rdzv._rendezvous_handlers["env"] = env_handler
+    patch_env_rendezvous(make)
 
 
 def _arm_timeouts(timeout: timedelta) -> None:
@@ -309,13 +298,10 @@ def _arm_timeouts(timeout: timedelta) -> None:
     timeout there would turn skew into false failures.
     """
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    from .torch_compat import set_pg_timeout
 
     if not dist.is_initialized():
         return
-    for pg in list(c10d._world.pg_map):
+    for pg in process_groups():
         try:
             set_pg_timeout(pg, timeout)
         except (ValueError, AssertionError, RuntimeError):

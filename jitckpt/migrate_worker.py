@@ -148,6 +148,8 @@ def _detach_ddp() -> None:
     import types
     import weakref
 
+    from .torch_compat.worker import detach_ddp
+
     try:
         from torch.distributed import ProcessGroup
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,10 +161,7 @@ def _detach_ddp() -> None:
     for o in mods:
         if getattr(o, "reducer", None) is None:
             continue
-        o.reducer = None
-        o.logger = None
-        o.process_group = None
-        o._comm_hooks = []
+        detach_ddp(o)
         _ddp_detached.append(weakref.ref(o))
     # module-level functions only: where a default argument is evaluated at import
     for mod in list(sys.modules.values()):
@@ -202,18 +201,14 @@ def _attach_ddp() -> int:
     after the first minibatch, as at the job's start: with 2 ranks the sums are the
     same bit for bit; with more, gloo's ring may add an element's shares in another
     order while the buckets differ from the unmigrated run's (not checked here)."""
-    from torch.distributed.distributed_c10d import _get_default_group
+    from .torch_compat.worker import attach_ddp
 
     n = 0
     for ref in _ddp_detached:
         ddp = ref()
         if ddp is None:
             continue
-        ddp.process_group = _get_default_group()
-        params, sparse = ddp._build_params_for_reducer()
-        ddp._ddp_init_helper(params, sparse, ddp._build_debug_param_to_name_mapping(params), ddp.static_graph)
-        if ddp.static_graph:
-            ddp.reducer._set_static_graph()
+        attach_ddp(ddp)
         n += 1
     _ddp_detached.clear()
     return n

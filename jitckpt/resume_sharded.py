@@ -140,9 +140,9 @@ _ALLOWED = {
 
 def _enum_member(obj: Any, name: str) -> Any:
     # pickle spells an enum member as builtins.getattr(EnumClass, "NAME"); only that is allowed
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from .torch_compat.worker import dcp_mem_format_encoding
 
-    if obj is not _MEM_FORMAT_ENCODING or not isinstance(name, str) or name.startswith("_"):
+    if obj is not dcp_mem_format_encoding() or not isinstance(name, str) or name.startswith("_"):
         raise pickle.UnpicklingError(f"DCP metadata: getattr({obj!r}, {name!r}) is not allowed")
     return getattr(obj, name)
 
@@ -209,7 +209,9 @@ class ShardedState:
     """The model and optimizers of one ``resumable`` call, sharded (FSDP2)."""
 
     def __init__(self, model: Any, optimizers: list[Any], rank: int = 0, world: int = 1) -> None:
-        from torch.distributed.checkpoint.state_dict import _get_fqns, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from .torch_compat.worker import dcp_fqns
 
         dt = _dtensor_cls()
         self.model = model
@@ -239,7 +241,7 @@ class ShardedState:
         def canonical(items) -> dict[str, Any]:
             out: dict[str, Any] = {}
             for name, t in items:
-                fqns = _get_fqns(model, name)
+                fqns = dcp_fqns(model, name)
                 if len(fqns) != 1:
                     raise NotImplementedError(f"jitckpt.resumable: parameter {name} maps to {len(fqns)} FQNs")
                 out[next(iter(fqns))] = t

@@ -276,13 +276,14 @@ class Runtime:
         # are in flight on the peers: a callback queued from the loss's grad
         # hook runs after the autograd graph, before DDP's finalize waits.
         import torch
-        from torch.autograd import Variable
+
+        from .torch_compat.worker import queue_backward_callback
 
         t = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
         step = self.steps_done
 
         def hook(grad):
-            Variable._execution_engine.queue_callback(lambda: self.injector.fire(f, step))
+            queue_backward_callback(lambda: self.injector.fire(f, step))
             return grad
 
         if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -55,17 +55,17 @@ def track_optimizers() -> None:
     """Wrap ``Optimizer.__init__`` (subclasses call it through ``super()``) once."""
     from torch.optim import Optimizer
 
-    orig = Optimizer.__init__
-    if hasattr(orig, "__jitckpt_wrapped__"):
-        return
+    from .torch_compat import patch
 
-    @functools.wraps(orig)
-    def init(self, *args, **kwargs):
-        orig(self, *args, **kwargs)
-        add_optimizer(self)
+    def make(orig):
+        @functools.wraps(orig)
+        def init(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            add_optimizer(self)
 
-    init.__jitckpt_wrapped__ = orig
-    Optimizer.__init__ = init
+        return init
+
+    patch(Optimizer, "__init__", make)
 
 
 def _reset_for_tests() -> None:

@@ -31,6 +31,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from jitckpt import auth, contract, layout
 from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
+from jitckpt.torch_compat import elastic
 
 from . import error_files, migrate, rdzv, warm
 from .devices import describe, scheduler
@@ -262,7 +263,7 @@ class JitAgent(LocalElasticAgent):
         if self._where.moved and all(c == 0 for c in codes.values()):
             self._poll(worker_group, drain=True)
             return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in codes})
-        if hasattr(self._pcontext, "_ret_vals"):
+        if elastic.forked(self._pcontext):
             res = forked_progress(self._pcontext, worker_group, procs)
         elif all(c == 0 for c in codes.values()):
             res = super()._monitor_workers(worker_group)

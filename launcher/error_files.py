@@ -26,10 +26,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from torch.distributed.elastic.multiprocessing import api as mp_api
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from jitckpt.error_file import State, inspect
+from jitckpt.torch_compat import elastic
 
 # (local rank, error file, its state): the agent's timeline entry for an unusable file
 OnUnusable = Callable[[int, str, State], None]
@@ -64,4 +64,4 @@ def install(on_unusable: OnUnusable) -> None:
     unusable file is handed to ``on_unusable`` (the latest call's)."""
     global _on_unusable
     _on_unusable = on_unusable
-    mp_api.ProcessFailure = TolerantProcessFailure  # type: ignore[misc]
+    elastic.set_process_failure_class(TolerantProcessFailure)

@@ -18,9 +18,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+from torch.distributed.launcher.api import LaunchConfig
 
 from jitckpt import layout, torch_compat
+from jitckpt.torch_compat import elastic
 
 from . import rdzv
 from .agent import JitAgent
@@ -94,7 +95,7 @@ def _worker_spec(config: LaunchConfig, cmd, cmd_args: list) -> WorkerSpec:
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs)
-    master_addr, master_port = _get_addr_and_port(params)
+    master_addr, master_port = elastic.addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = torch_signals(config.signals_to_handle)
     return WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
@@ -183,10 +184,10 @@ def entrypoint_name(cmd, cmd_args) -> str:
     elif isinstance(cmd, str) and "jitckpt._bootstrap" in args:
         rest = args[args.index("jitckpt._bootstrap") + 1:]
     else:
-        return _get_entrypoint_name(cmd, cmd_args)
+        return elastic.entrypoint_name(cmd, cmd_args)
     if rest[:1] == ["-m"] and len(rest) > 1:
         return rest[1]
-    return next((a for a in rest if not a.startswith("-")), "") or _get_entrypoint_name(cmd, cmd_args)
+    return next((a for a in rest if not a.startswith("-")), "") or elastic.entrypoint_name(cmd, cmd_args)
 
 
 def error_line(e: BaseException, sched: str = "") -> str:

@@ -26,7 +26,7 @@
    backend once a second, and its state holder answers from a one-second
    cache. Here the name comes from the frame itself, there is no skew sleep
    (a job has at most a few thousand agents, each making one request per poll
-   of one TCPStore), the cache is off while a rendezvous runs (``_uncached``)
+   of one TCPStore), the cache is off while a rendezvous runs (``elastic.rdzv_uncached``)
    and the poll period is ``POLL_S`` for up to ``POLL_NODES`` nodes, longer in
    proportion beyond: every poll reads the whole rendezvous state, which names
    every node, so a fixed period made the endpoint's traffic grow as the
@@ -41,29 +41,30 @@ import logging
 import time
 from collections.abc import Callable
 
+from jitckpt.torch_compat import elastic, patched
+
 log = logging.getLogger(__name__)
 
 
-def _dynamic(handler) -> bool:
-    return hasattr(handler, "_state_holder") and hasattr(handler, "_bootstrap_store_info")
+_dynamic = elastic.rdzv_dynamic
 
 
 def is_static(handler) -> bool:
     """torchrun's default when no rendezvous flag is given, and the classic
     ``--nnodes/--node-rank/--master-addr`` form: one TCPStore hosted by node
     rank 0's agent, no rounds, no membership changes."""
-    return handler.get_backend() == "static" and hasattr(handler, "_store")
+    return handler.get_backend() == "static" and elastic.rdzv_static_store(handler)[0]
 
 
 def node_name(handler) -> str | None:
     """This agent's name in a dynamic rendezvous's state (None: not dynamic)."""
-    return str(handler._this_node) if _dynamic(handler) else None
+    return str(elastic.rdzv_node(handler)) if _dynamic(handler) else None
 
 
 def current_round(handler) -> int | None:
     if not _dynamic(handler):
         return None
-    return int(handler._state_holder.state.round)
+    return int(elastic.rdzv_state(handler).round)
 
 
 def job_attempt(handler, restarts: int) -> int:
@@ -82,11 +83,11 @@ def coordination_store(handler):
     node rank 0's TCPStore (every agent of the job reaches it), created here
     if the agent has not rendezvoused yet, as its first rendezvous would."""
     if _dynamic(handler):
-        return getattr(handler, "_store", None)
+        return elastic.rdzv_static_store(handler)[1]
     if is_static(handler):
-        if handler._store is None:
+        if elastic.rdzv_static_store(handler)[1] is None:
             handler.next_rendezvous()
-        return handler._store
+        return elastic.rdzv_static_store(handler)[1]
     return None
 
 
@@ -125,8 +126,7 @@ def waiting_nodes(handler) -> int:
     if not _dynamic(handler):
         return 0
     try:
-        handler._state_holder.sync()
-        st = handler._state_holder.state
+        st = elastic.rdzv_state(handler, sync=True)
         return len(st.wait_list) + len(st.redundancy_list)
     except Exception:
         return 0
@@ -192,14 +192,13 @@ def drop_silent(handler, silence, on_drop: Callable[[list[str]], None]) -> None:
     expired, instead of after ``keep_alive_interval x keep_alive_max_attempt``.
     ``silence()`` gives the current ``alive.Silence`` (None: no evidence)."""
     global _while_waiting
-    if not _dynamic(handler) or not hasattr(handler._state_holder, "_sanitize"):
+    if not elastic.rdzv_can_drop(handler):
         return
-    from datetime import datetime, timezone
 
     def check() -> None:
         s = silence()
-        holder = handler._state_holder
-        others = [d for d in holder.state.participants if d != handler._this_node]
+        me = elastic.rdzv_node(handler)
+        others = [d for d in elastic.rdzv_state(handler).participants if d != me]
         if s is None or not others:
             return
         ids = {d: s.node_of(str(d)) for d in others}
@@ -207,11 +206,7 @@ def drop_silent(handler, silence, on_drop: Callable[[list[str]], None]) -> None:
         dropped = [d for d, i in ids.items() if i in gone]
         if not dropped:
             return
-        expired = datetime(1970, 1, 1, tzinfo=timezone.utc)
-        for d in dropped:
-            holder.state.last_heartbeats[d] = expired
-        holder._sanitize()  # removes them (and advances an emptied round) as torch would
-        holder.mark_dirty()  # written by the rendezvous loop's next sync (compare-and-set)
+        elastic.rdzv_drop(handler, dropped)
         on_drop([str(d) for d in dropped])
 
     _while_waiting = check
@@ -219,12 +214,6 @@ def drop_silent(handler, silence, on_drop: Callable[[list[str]], None]) -> None:
 
 def _speed_up() -> None:
     import sys
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    if getattr(dr, "_jitckpt_fast", False):
-        return
-    dr._jitckpt_fast = True
 
     def get_method_name(depth: int = 2) -> str:
         # inspect.stack()[depth].function, without reading any source file
@@ -243,62 +232,37 @@ def _speed_up() -> None:
                 log.debug("lost-node check failed: %s", e)
         time.sleep(min(seconds, _poll_s))
 
-    dr.get_method_name = get_method_name
-    dr._delay = delay
-
-
-def _uncached(handler, join):
-    """Run a rendezvous with the state holder's cache off. It answers a sync
-    within ``cache_duration`` (1 s) of the last read from memory, so a node
-    waiting for its peers saw them join up to a second late whatever the poll
-    period; outside a rendezvous (the monitor's waiting-node count, keep-alives)
-    the cache keeps its period, so a healthy job reads the state once a second
-    per node, as under torchrun."""
-    holder = handler._state_holder
-    cached = getattr(holder, "_cache_duration", None)
-    if cached is None:
-        return join()
-    holder._cache_duration = 0
-    try:
-        return join()
-    finally:
-        holder._cache_duration = cached
+    elastic.patch_rendezvous_wait(delay, get_method_name)
 
 
 def install(handler, *, on_spare: Callable[[int], None] | None = None,
             healthy: Callable[[], bool] | None = None) -> None:
     """Patch ``handler`` (a DynamicRendezvousHandler) in place; a no-op for
     other handlers (static, etcd-v1), which have neither problem."""
-    if not _dynamic(handler) or getattr(handler, "_jitckpt_patched", False):
+    if not _dynamic(handler) or patched(handler.next_rendezvous):
         return
-    handler._jitckpt_patched = True
     global _poll_s
     try:
         _poll_s = poll_period(int(handler.settings.max_nodes))
     except (AttributeError, TypeError, ValueError):
         _poll_s = POLL_S
     _speed_up()
-    orig_next = handler.next_rendezvous
-    orig_waiting = handler.num_nodes_waiting
 
-    def next_rendezvous():
-        info = _uncached(handler, orig_next)
-        if not handler.use_agent_store or info.bootstrap_store_info is None:
-            return info
-        from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+    def next_rendezvous(orig_next):
+        def run():
+            info = elastic.rdzv_uncached(handler, orig_next)
+            if not handler.use_agent_store or info.bootstrap_store_info is None:
+                return info
+            return elastic.rdzv_fresh_store_info(handler, info)
 
-        server = handler._shared_tcp_store_server
-        if info.rank == 0 and server is not None:
-            fresh = RendezvousStoreInfo.build(0, info.store, local_addr=handler._this_node.addr,
-                                              server_port=server.port)
-        else:
-            fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=handler._this_node.addr)
-        handler._bootstrap_store_info = fresh
-        return type(info)(info.store, info.rank, info.world_size, fresh)
+        return run
 
     last_look = [-1e9]
 
-    def num_nodes_waiting() -> int:
+    def num_nodes_waiting(orig_waiting) -> Callable[[], int]:
+        return lambda: _waiting(orig_waiting)
+
+    def _waiting(orig_waiting) -> int:
         # torch's agent asks on every monitor tick and each answer reads the whole
         # state (every node's entry); a healthy job only reports spares, so it looks
         # at most once per spare_look_s()
@@ -308,12 +272,12 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
                 return 0
             last_look[0] = now
         n = orig_waiting()  # torch counts its wait list only: a node that came to a full job is
-        spares = n + len(getattr(handler._state_holder.state, "redundancy_list", ()))  # in the redundancy list
+        spares = n + len(getattr(elastic.rdzv_state(handler), "redundancy_list", ()))  # in the redundancy list
         if spares and healthy is not None and healthy():
             if on_spare is not None:
                 on_spare(spares)
             return 0
         return n
 
-    handler.next_rendezvous = next_rendezvous
-    handler.num_nodes_waiting = num_nodes_waiting
+    elastic.patch_handler(handler, "next_rendezvous", next_rendezvous)
+    elastic.patch_handler(handler, "num_nodes_waiting", num_nodes_waiting)

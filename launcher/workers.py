@@ -22,6 +22,7 @@ import psutil
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
 from jitckpt import layout
+from jitckpt.torch_compat import elastic
 
 from .migrate_agent import Remote
 
@@ -75,7 +76,7 @@ class Whereabouts:
                      for lr, h in pcontext.subprocess_handlers.items()}
         else:
             procs = {wg.workers[lr].global_rank: Proc(p.pid, _mp_poll(p), p.join)
-                     for lr, p in enumerate(pcontext._pc.processes)}
+                     for lr, p in enumerate(elastic.processes(pcontext) or ())}
         for r, remote in self.moved.items():  # its wrapper here ended with the dump
             procs[r] = Proc(getattr(remote, "pid", 0), remote.poll, remote.wait, remote.send)
         for r, p in procs.items():
@@ -143,22 +144,15 @@ def forked_progress(pcontext, wg: WorkerGroup, procs: dict[int, Proc]) -> RunRes
     queue and then waits until the parent has read them all; a worker
     started through jitckpt's bootstrap ends with os._exit(0) before that
     (see jitckpt._bootstrap), so exit code 0 counts as done."""
-    pc = pcontext
-    for lr in range(pc.nprocs):
-        q = pc._ret_vals[lr]
-        if lr not in pc._return_values and not q.empty():
-            pc._return_values[lr] = q.get()
-        elif lr not in pc._return_values and pc._pc.processes[lr].exitcode == 0:
-            pc._return_values[lr] = None
-    if not pc._is_done():
+    returned = elastic.collect_returns(pcontext)
+    if returned is None:
         return RunResult(state=WorkerState.HEALTHY)
-    pc._worker_finished_event.set()
     for p in procs.values():
         p.wait()
     if any(p.poll() != 0 for p in procs.values()):
         return RunResult(state=WorkerState.HEALTHY)  # a failed exit: the next tick handles it
-    values = {wg.workers[lr].global_rank: v for lr, v in pc._return_values.items()}
-    pc.close()
+    values = {wg.workers[lr].global_rank: v for lr, v in returned.items()}
+    pcontext.close()
     return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
 
