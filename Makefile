@@ -109,7 +109,7 @@ gpu-wheels: setup
 test-fast: build
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The whole model-zoo recovery matrix (tests/test_model_zoo.py: 216 cells; make test runs a cover of 36)
+# The whole model-zoo recovery matrix (tests/test_model_zoo.py: 216 cells; make test runs a cover of 12 and 5 quick cells)
 test-zoo: build
 	JITCKPT_ZOO_FULL=1 $(PY) -m pytest -n $(TEST_WORKERS) tests/test_model_zoo.py $(PYTEST_ARGS)
 
