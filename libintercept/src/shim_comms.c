@@ -12,7 +12,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "shim_internal.h"
+#include "shim_base.h"
 
 #define COMMS_MAX 256
 static pthread_mutex_t comms_mu = PTHREAD_MUTEX_INITIALIZER;

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_base.h"
 
 ji_hot_t ji_hot = {.vh_base = JI_VH_NONE};
 _Atomic(void *) ji_real_fns[JI_N_SYMS];

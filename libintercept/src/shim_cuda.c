@@ -11,7 +11,7 @@
 #define _GNU_SOURCE
 #include <string.h>
 
-#include "shim_internal.h"
+#include "shim_entry.h"
 
 /* Re-declare every hook from the table: a drift from abi/ is a compile error. */
 #define JI_PROTO_(name, ret, params, args, lib, flags) JI_API ret name params;

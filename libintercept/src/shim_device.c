@@ -45,7 +45,7 @@
 #include <unistd.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_recovery.h"
 
 int ji_dev_mode;
 _Atomic int ji_dev_lost;

@@ -68,7 +68,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "shim_internal.h"
+#include "shim_base.h"
 
 #define JI_COOKIE 0x4a49544b /* "JITK" */
 #define REG_MAX 1024

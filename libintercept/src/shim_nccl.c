@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "shim_internal.h"
+#include "shim_entry.h"
 
 #define JI_PROTO_(name, ret, params, args, lib, flags) JI_API ret name params;
 JI_TABLE(JI_PROTO_)

@@ -11,7 +11,7 @@
  */
 #define _GNU_SOURCE
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_entry.h"
 
 static void sync_nccl_stream(ji_vh *v, void *p) {
   (void)p;

@@ -14,7 +14,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
-#include "shim_internal.h"
+#include "shim_base.h"
 
 #define POOL_MAX 1024
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;

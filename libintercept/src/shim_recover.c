@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_recovery.h"
 
 struct rc_arg {
   int destroy_old;

@@ -5,7 +5,7 @@
  * Log: one mmap'ed arena of JITCKPT_REPLAY_CAP_MB (default 64) MiB. Appending
  * is a fetch_add on the tail (lock-free, global order across threads), a
  * fill, and a release-store of the record size (its commit); the hooks do it
- * inline (ji_log_reserve, ji_log_commit in shim_internal.h). A record that
+ * inline (ji_log_reserve in shim_replay.h, ji_log_commit in shim_entry.h). A record that
  * does not fit is dropped and counted; the minibatch is then marked
  * unreplayable. jitintercept_minibatch_begin() bumps the epoch and resets the
  * tail; records carry the epoch, so leftovers of earlier minibatches beyond
@@ -25,7 +25,7 @@
 #include <sys/mman.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_replay.h"
 
 unsigned char *ji_log_base;
 size_t ji_log_cap;

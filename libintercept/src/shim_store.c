@@ -29,7 +29,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "shim_internal.h"
+#include "shim_base.h"
 
 enum { Q_VALIDATE = 0, Q_SET = 1, Q_COMPARE_SET = 2, Q_GET = 3, Q_ADD = 4, Q_CHECK = 5 };
 #define MAGIC 0x3C85F7CEu

@@ -47,7 +47,7 @@
 #include <unistd.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_recovery.h"
 
 _Atomic int ji_rcv_active;
 _Atomic unsigned ji_rcv_gen;

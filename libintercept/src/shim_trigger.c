@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_base.h"
 
 _Atomic int ji_trigger_active;
 int ji_redirect_enabled = 1;

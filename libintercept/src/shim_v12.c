@@ -11,7 +11,7 @@
  * binds `.symver` to a same-named symbol of the same object, so an alias next
  * to the hook would replace the hook's default version.
  */
-#include "shim_internal.h"
+#include "shim_entry.h"
 
 #define JI_V12_JI_NCCL(name, ret, params, args)
 #define JI_V12_JI_CUDART(name, ret, params, args)                 \

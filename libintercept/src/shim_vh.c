@@ -16,7 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "shim_internal.h"
+#include "shim_base.h"
 
 int ji_vh_mode;
 static pthread_mutex_t vh_mu = PTHREAD_MUTEX_INITIALIZER;

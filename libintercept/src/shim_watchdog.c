@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_watchdog.h"
 
 static pthread_mutex_t wd_mu = PTHREAD_MUTEX_INITIALIZER; /* the poll timer's condvar only */
 static pthread_cond_t wd_cv;

@@ -23,7 +23,7 @@
 #include <string.h>
 
 #include "jitintercept.h"
-#include "shim_internal.h"
+#include "shim_base.h"
 
 static pthread_mutex_t wl_mu = PTHREAD_MUTEX_INITIALIZER;
 static ji_watch *wl_head;

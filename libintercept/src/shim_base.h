@@ -1,18 +1,21 @@
 /*
- * shim_internal.h - declarations shared by the shim's translation units, one
- * section per module, lowest layer first:
- *   base      core, vh, store, gil, pool, comms, trigger, watchlist
- *   replay    replay
- *   recovery  device, recover, transparent
- *   watchdog  watchdog
- *   entry     phases, cuda, nccl, v12 (the application's calls)
- * A module calls only modules of its own layer listed before it, or of a
- * lower layer (entry modules call each other): the watchdog calls the
- * recovery, the recovery the replay, never the other way.
- * scripts/check_shim_layers.py checks this on the object files.
+ * shim_base.h - declarations of the shim's lowest layer, shared by every
+ * translation unit. The shim's internal headers are one per layer, each
+ * including the one below it, lowest first:
+ *   shim_base.h      base      core, vh, store, gil, pool, comms, trigger, watchlist
+ *   shim_replay.h    replay    replay
+ *   shim_recovery.h  recovery  device, recover, transparent
+ *   shim_watchdog.h  watchdog  watchdog
+ *   shim_entry.h     entry     phases, cuda, nccl, v12 (the application's calls;
+ *                              the hooks' hot-path inline functions)
+ * A module includes the header of its own layer and calls only modules of its
+ * own layer listed before it, or of a lower layer (entry modules call each
+ * other): the watchdog calls the recovery, the recovery the replay, never the
+ * other way. scripts/check_shim_layers.py checks the calls on the object
+ * files and the #include lines on the sources.
  */
-#ifndef JI_SHIM_INTERNAL_H
-#define JI_SHIM_INTERNAL_H
+#ifndef JI_SHIM_BASE_H
+#define JI_SHIM_BASE_H
 
 #include <stdatomic.h>
 #include <stdint.h>
@@ -296,164 +299,6 @@ JI_HIDDEN ji_watch *ji_watch_detach(uint64_t *gen);
 JI_HIDDEN void ji_watch_return(uint64_t gen, ji_watch *keep, ji_watch **keep_tail, ji_watch *done, int ndone);
 JI_HIDDEN int ji_watch_pending(void);
 JI_HIDDEN void ji_watch_atfork_child(void);
-
-/* ---- replay log, allocations, kernel layouts, executor (shim_replay.c) ---- */
-typedef struct ji_rec {
-  uint32_t size;  /* bytes of this record, 8-aligned; 0 = not committed */
-  uint32_t epoch; /* minibatch number; stale records from earlier epochs end a scan */
-  uint16_t id;    /* JI_ID_* */
-  uint16_t nargs;
-  uint32_t blob_len;
-  uint64_t a[];   /* nargs raw argument words, then the blob */
-} ji_rec;
-static inline int ji_log_on(void) {
-  return atomic_load_explicit(&ji_hot.log_armed, memory_order_relaxed) && !ji_tls.log_off;
-}
-extern unsigned char *ji_log_base;
-extern size_t ji_log_cap;
-extern _Atomic uint64_t ji_log_tail;
-extern _Atomic uint32_t ji_log_epoch;
-JI_HIDDEN void ji_log_overflowed(void);
-static inline size_t ji_rec_size(unsigned nargs, size_t blob_len) {
-  return (sizeof(ji_rec) + (size_t)nargs * 8 + blob_len + 7) & ~(size_t)7;
-}
-/* A record of nargs words and blob_len bytes, to be filled and published;
- * NULL when it does not fit (counted: the minibatch is then unreplayable).
- * Lock-free: one fetch_add on the tail orders records across threads. */
-static inline ji_rec *ji_log_reserve(int id, unsigned nargs, size_t blob_len) {
-  size_t sz = ji_rec_size(nargs, blob_len);
-  uint64_t off = atomic_fetch_add_explicit(&ji_log_tail, sz, memory_order_relaxed);
-  if (JI_UNLIKELY(off + sz > ji_log_cap || blob_len > UINT32_MAX)) {
-    ji_log_overflowed();
-    return NULL;
-  }
-  ji_rec *r = (ji_rec *)(ji_log_base + off);
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, 0, memory_order_relaxed);
-  r->epoch = atomic_load_explicit(&ji_log_epoch, memory_order_relaxed);
-  r->id = (uint16_t)id;
-  r->nargs = (uint16_t)nargs;
-  r->blob_len = (uint32_t)blob_len;
-  return r;
-}
-static inline unsigned char *ji_rec_blob(ji_rec *r) { return (unsigned char *)&r->a[r->nargs]; }
-/* Publishes a filled record (hooks use ji_log_commit, below). */
-static inline void ji_log_publish(ji_rec *r) {
-  atomic_store_explicit((_Atomic uint32_t *)&r->size, (uint32_t)ji_rec_size(r->nargs, r->blob_len),
-                        memory_order_release);
-}
-JI_HIDDEN void ji_log_mark_incomplete(void);
-JI_HIDDEN void ji_log_mark_synced(void);
-/* A new minibatch: the log restarts (armed on first use). 0: no log. */
-JI_HIDDEN int ji_log_new_minibatch(void);
-JI_HIDDEN uint64_t ji_log_tail_now(void);
-JI_HIDDEN int ji_log_replayable(const char **why);
-JI_HIDDEN int ji_is_device_ptr(const void *p);
-JI_HIDDEN void ji_alloc_track(void *p, size_t n, uint64_t site);
-/* A live device allocation's name across ranks (site, seq, n) and its address here. */
-typedef struct { uint64_t site; uint32_t seq; size_t n; void *p; } ji_alloc_key;
-/* Every live allocation, sorted by name; *out is malloc'ed (caller frees). */
-JI_HIDDEN size_t ji_alloc_keys(ji_alloc_key **out);
-JI_HIDDEN void ji_alloc_untrack(void *p);
-/* Kernel parameter layout: number of params (or -1) and their sizes/offsets. */
-JI_HIDDEN int ji_kernel_params(const void *func, int is_kernel_handle, size_t *offs, size_t *sizes, int max);
-JI_HIDDEN void ji_kernel_map(cudaKernel_t k, const void *func);
-/* Replays the records before offset `end`, then waits for every stream until
- * the deadline (-3 when it passes: a second fault). */
-JI_HIDDEN int ji_replay_run(uint64_t end, int *nrec, double deadline);
-/* Executes one record as its call would have been (no wait). 0 or a status. */
-JI_HIDDEN int ji_replay_record(ji_rec *r);
-
-/* ---- lost device (shim_device.c) ----
- * ji_dev_mode: set once by a constructor. ji_dev_lost: this process's device
- * is gone (set by the recovery's coordinator, cleared once the new device is
- * attached). ji_hot.discard: set by the coordinator for a fault in the optimizer
- * step, cleared by minibatch_begin; read by hooks on any thread. */
-extern int ji_dev_mode;
-extern _Atomic int ji_dev_lost;
-JI_HIDDEN uint64_t ji_callsite(void);
-/* After a device lost in the optimizer step: the step's remaining device work
- * is dropped (the replica's post-update state was taken instead). */
-#define JI_DISCARDED() JI_UNLIKELY(atomic_load_explicit(&ji_hot.discard, memory_order_relaxed))
-JI_HIDDEN const char *ji_dev_precheck(void);
-JI_HIDDEN uint64_t ji_dev_digest(void);
-/* Every live allocation's name and bytes hashed (read back from the device): NULL, or why not. */
-JI_HIDDEN const char *ji_dev_state_digest(uint64_t *out);
-JI_HIDDEN const char *ji_dev_park_and_replace(int rank, int epoch, double bound_s);
-JI_HIDDEN const char *ji_dev_refill(void *comm, int me, int donor, const int *lost, int nlost, double deadline);
-
-/* ---- re-creating objects behind virtual handles (shim_recover.c) ----
- * jitintercept_recreate_handles, jitintercept_comm_recreate (public API). */
-
-/* ---- in-place recovery (shim_transparent.c) ---- */
-typedef struct ji_fault {
-  const char *kind;   /* hang | nccl_error | nccl_async_error | cuda_error | peer */
-  const char *source; /* timeout | call | ncclCommGetAsyncError | cudaEventQuery | store */
-  int code;
-  int coll;           /* JI_ID_* of the collective, or -1 */
-  double waited;      /* detection: seconds the collective waited (hangs) */
-} ji_fault;
-extern int ji_rcv_mode; /* JITCKPT_ON_HANG=recover */
-/* Gate: every hook passes it after its depth check (ji_count, ji_enter_hot); one relaxed
- * load of ji_hot.rcv_attn, nonzero while a recovery runs (ji_rcv_active) or some
- * thread has a call to re-issue (ji_tls.reissue): one check for both. */
-extern _Atomic int ji_rcv_active;
-JI_HIDDEN void ji_rcv_attend(void);
-extern _Atomic unsigned ji_rcv_gen;
-extern _Atomic int ji_open_groups;
-/* Optimizer phase marks (set by shim_phases.c, read by the recovery). */
-extern _Atomic int ji_opt_phase, ji_opt_in_mb, ji_opt_ever;
-JI_HIDDEN void ji_rcv_gate(void);
-/* The watchdog's one entry: a fault it found, or NULL while a collective is
- * pending (has a peer started an epoch?). Returns when recovered, joined or
- * postponed; a fallback does not return. */
-JI_HIDDEN void ji_rcv_watchdog(const ji_fault *f);
-/* A fault found on an application thread. -2: postponed (another thread is
- * inside an NCCL group). */
-JI_HIDDEN int ji_rcv_run(const ji_fault *f, int failed_in_group);
-JI_HIDDEN int ji_rcv_after_block(unsigned gen, int cuda_rc, int check_nccl);
-JI_HIDDEN int ji_rcv_nccl_error(int id, int rc);
-JI_HIDDEN int ji_rcv_cuda_error(int rc);
-/* One store query: joins a peer's epoch if one started (phase marks). */
-JI_HIDDEN void ji_rcv_check_peers(void);
-JI_HIDDEN void ji_rcv_reissue(ji_rec *r);
-JI_HIDDEN __attribute__((noreturn)) void ji_rcv_reissue_failed(int status);
-
-/* ---- the watchdog thread (shim_watchdog.c) ---- */
-JI_HIDDEN void ji_wd_start(void);
-
-/* ---- for the entry modules (shim_cuda.c, shim_nccl.c, shim_phases.c) ---- */
-static inline void ji_count_only(int id) {
-  ji_cblock *b = ji_tls.cnt;
-  if (JI_UNLIKELY(!b)) b = ji_cblock_new();
-  if (JI_UNLIKELY(!b)) return;
-  atomic_store_explicit(&b->c[id], atomic_load_explicit(&b->c[id], memory_order_relaxed) + 1,
-                        memory_order_relaxed);
-}
-static inline void ji_count(int id) {
-  if (JI_UNLIKELY(atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed))) ji_rcv_attend();
-  ji_count_only(id);
-}
-#define COUNT(name) ji_count(JI_ID_##name)
-/* The JI_HOT hooks' first test: the depth test and the gate in one branch
- * (the two words OR'ed), then ji_count_only. 1: a shim frame is below this
- * call on this thread, pass it straight through. */
-static inline int ji_enter_hot(void) {
-  int d = ji_tls.depth;
-  if (JI_LIKELY(!(d | atomic_load_explicit(&ji_hot.rcv_attn, memory_order_relaxed)))) return 0;
-  if (d) return 1;
-  ji_rcv_attend();
-  return 0;
-}
-/* Publishes a record; after a lost-device recovery the call that met the lost
- * device is executed from it now, on the new device. */
-static inline void ji_log_commit(ji_rec *r) {
-  ji_log_publish(r);
-  if (JI_UNLIKELY(ji_tls.reissue)) ji_rcv_reissue(r);
-}
-static inline unsigned ji_rcv_begin(void) {
-  ji_tls.in_block = 1;
-  return atomic_load_explicit(&ji_rcv_gen, memory_order_relaxed);
-}
 
 #pragma GCC visibility pop
 
