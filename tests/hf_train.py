@@ -5,9 +5,9 @@ TrainerState without timings, RNG) to OUT/final-RANK.pt for a bit-for-bit compar
     jitrun --nproc-per-node 2 tests/hf_train.py --out OUT --mode jit
     torchrun --standalone --nproc-per-node 2 tests/hf_train.py --out OUT --mode none   # the reference
 
---die-in-save RANK:STEP:KIND: that rank sends itself KIND (sigkill | sigstop) inside Trainer's
-own periodic save of STEP, after the model and optimizer files and before its RNG file
-(attempt 0 only): a failure during Trainer's save.
+--die-in-save RANK:STEP:KIND:ATTEMPT[,...]: that rank sends itself KIND (sigkill | sigstop)
+inside Trainer's own periodic save of STEP, after the model and optimizer files and before its
+RNG file, in that attempt of the job (TORCHELASTIC_RESTART_COUNT): a failure during Trainer's save.
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _die_in_save(trainer: Trainer, spec: str) -> None:
-    rank, step, kind = spec.split(":")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) or int(os.environ["RANK"]) != int(rank):
+def _die_in_save(trainer: Trainer, specs: str) -> None:
+    attempt, me = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ["RANK"])
+    mine = {int(step): kind for rank, step, kind, at in (s.split(":") for s in specs.split(","))
+            if int(rank) == me and int(at) == attempt}
+    if not mine:
         return
     orig = trainer._save_rng_state
 
     def save_rng_state(output_dir: str) -> None:
-        if trainer.state.global_step == int(step):
+        kind = mine.get(trainer.state.global_step)
+        if kind is not None:
             os.kill(os.getpid(), {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}[kind])
         orig(output_dir)
 

@@ -49,6 +49,6 @@ def write_checkpoint(trainer: Any, ckpt_dir: str, state: Any, snap: dict) -> Non
     torch.save(_trainer_rng(snap["rng"]), os.path.join(ckpt_dir, name))
     state.save_to_json(os.path.join(ckpt_dir, "trainer_state.json"))
     with open(os.path.join(ckpt_dir, SHARED_FILE), "w", encoding="utf-8") as f:
-        json.dump({"callbacks": snap["callbacks"]}, f)
+        json.dump({"callbacks": snap["callbacks"], "redo": snap["redo"]}, f)
     torch.save({"rng": snap["rng"], "tr_loss": snap["tr_loss"].cpu(), "scalars": snap["scalars"]},
                os.path.join(ckpt_dir, RANK_FILE.format(rank)))

@@ -41,6 +41,7 @@ import copy
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class JitCallback(TrainerCallback):
         self.mine: dict | None = None  # this rank's values for it
         self.restored_step: int | None = None
         self._writer: _rank_state.Writer | None = None
+        self._end: dict | None = None  # inside _maybe_log_save_evaluate: its arguments and the flags
 
     # -- Trainer hooks ----------------------------------------------------------------
 
@@ -127,6 +129,26 @@ class JitCallback(TrainerCallback):
 
         trainer.train = types.MethodType(train, trainer)
         trainer._load_rng_state = types.MethodType(load_rng_state, trainer)
+        self._wrap_step_end(trainer)
+
+    def _wrap_step_end(self, trainer: Any) -> None:
+        """Know when the runtime's provisional start (the first collective after an optimizer
+        step) falls inside Trainer's step-end log/evaluate/save, and with what arguments: a
+        JIT checkpoint taken there is restored from that call's start and the call redone."""
+        orig = trainer._maybe_log_save_evaluate
+        cb = self
+
+        def step_end(self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                     learning_rate=None):
+            cb._end = {"grad_norm": grad_norm, "epoch": epoch, "learning_rate": learning_rate,
+                       "control": dict(self.control.state()["args"])}
+            try:
+                return orig(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                            learning_rate=learning_rate)
+            finally:
+                cb._end = None
+
+        trainer._maybe_log_save_evaluate = types.MethodType(step_end, trainer)
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
         if self.trainer is None or self.mine is None or self.jit_path is None:
@@ -141,9 +163,19 @@ class JitCallback(TrainerCallback):
         tr.current_flos = sc["current_flos"]
         tr._initial_global_step = sc["initial_global_step"]
         tr._initial_num_input_tokens_seen = sc["initial_tokens"]
+        state.stateful_callbacks = sc["stateful"]  # each rank's own (only rank 0's are saved)
+        with open(os.path.join(self.jit_path, SHARED_FILE), encoding="utf-8") as f:
+            shared = json.load(f)
         if not args.restore_callback_states_from_checkpoint:
-            self._restore_callbacks()
+            self._restore_callbacks(shared["callbacks"])
         self.restored_step = state.global_step
+        redo = shared.get("redo")
+        if redo is not None:
+            # taken inside the step-end log/evaluate/save: redo it as the original run did it
+            for k, v in redo["control"].items():
+                setattr(control, k, v)
+            tr._maybe_log_save_evaluate(tr._tr_loss, redo["grad_norm"], tr.model_wrapped, None, redo["epoch"],
+                                        None, time.time(), learning_rate=redo["learning_rate"])
 
     def on_epoch_begin(self, args, state, control, **kwargs) -> None:
         if self.trainer is not None:
@@ -164,7 +196,7 @@ class JitCallback(TrainerCallback):
         def at_start(provisional: bool = False) -> None:
             if prev is not None:
                 prev(provisional)
-            self._snapshot(rt.steps_done)
+            self._snapshot(rt.steps_done, provisional)
 
         rt.on_minibatch_start = at_start
         return self._choose(api.get_checkpoint_path(), user)
@@ -217,7 +249,7 @@ class JitCallback(TrainerCallback):
 
     # -- at each minibatch start, and the save --------------------------------------------
 
-    def _snapshot(self, steps_done: int) -> None:
+    def _snapshot(self, steps_done: int, provisional: bool) -> None:
         tr = self.trainer
         st = tr.state
         at_epoch_start = st.global_step == self.epoch_step and self.epoch_rng is not None
@@ -225,10 +257,15 @@ class JitCallback(TrainerCallback):
         tr_loss = tr._tr_loss.detach().clone()
         scalars = {"total_loss_scalar": tr._total_loss_scalar, "globalstep_last_logged": tr._globalstep_last_logged,
                    "current_flos": tr.current_flos, "initial_global_step": tr._initial_global_step,
-                   "initial_tokens": tr._initial_num_input_tokens_seen}
+                   "initial_tokens": tr._initial_num_input_tokens_seen,
+                   "stateful": copy.deepcopy(st.stateful_callbacks)}
+        end = self._end if provisional else None
+        redo = None if end is None else {
+            "control": end["control"], "epoch": end["epoch"], "learning_rate": end["learning_rate"],
+            "grad_norm": float(end["grad_norm"]) if end["grad_norm"] is not None else None}
         # A new dict, assigned in one step: the save may run on the watcher thread
-        self.snap = {"state": copy.copy(st), "log_len": len(st.log_history),
-                     "stateful": copy.deepcopy(st.stateful_callbacks),
+        self.snap = {"state": copy.copy(st), "log_len": len(st.log_history), "redo": redo,
+                     "stateful": scalars["stateful"],
                      "callbacks": [(type(cb).__name__, cb.state()) for cb in _exportable(tr)],
                      "rng": rng, "tr_loss": tr_loss, "scalars": scalars}
         cfg = api._get_runtime().cfg
@@ -245,9 +282,7 @@ class JitCallback(TrainerCallback):
         state.stateful_callbacks = snap["stateful"]
         write_checkpoint(self.trainer, ckpt_dir, state, snap)
 
-    def _restore_callbacks(self) -> None:
-        with open(os.path.join(self.jit_path, SHARED_FILE), encoding="utf-8") as f:
-            saved = json.load(f)["callbacks"]
+    def _restore_callbacks(self, saved: list) -> None:
         live = _exportable(self.trainer)
         if [n for n, _ in saved] != [type(cb).__name__ for cb in live]:
             _say("WARNING: JitCallback: the Trainer's stateful callbacks differ from the checkpoint's "
