@@ -209,15 +209,14 @@ class JitCallback(TrainerCallback):
             else (user or None)
         if jit is None:
             step = _state_step(path) if isinstance(path, str) else None
-            if step is not None:  # the script's own checkpoint: the runtime counts steps from there
-                rt.steps_done = rt.loaded = step
-                rt.restored = True
+            if step is not None:  # the script's own checkpoint: the JIT saves' step labels count from there
+                rt.steps_done = step
             return user
         jit_step, own = _state_step(jit), _state_step(path) if isinstance(path, str) else None
         if own is not None and jit_step is not None and own > jit_step:
             _say(f"rank {rt.cfg.rank}: resuming from {path} (step {own}), newer than the JIT checkpoint "
                  f"(step {jit_step})")
-            rt.steps_done = rt.loaded = own
+            rt.steps_done = own
             return path
         if path:
             _say(f"rank {rt.cfg.rank}: resuming from the JIT checkpoint {jit} (step {jit_step}), not from "
