@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from . import config, contract, layout
+from . import config, layout
 from .consistency import FRESH
 from .runtime import Runtime, SaveFn
 
@@ -143,22 +143,20 @@ def get_checkpoint_path() -> str | None:
     cfg = rt.cfg
     if cfg.root is None or not cfg.root.is_dir():
         return None
-    if contract.RESTORE_SOURCE.get() == "ec":
+    if rt.plan.ec_step is not None:
         # the job chose an EC snapshot: decode it into the layout here (collective over the
-        # ranks; sets JITCKPT_RESTORE_STEP to the EC step, or to the fallback), then the normal path below
+        # ranks), then the normal path below with its step, or with the fallback
         from . import ec_restore
 
-        ec_restore.restore(rt)
+        rt.plan = ec_restore.restore(rt, rt.plan)
     replicas, rejected = layout.scan(cfg.root, cfg.job_id or None, cfg.identity or None)
     for path, why in rejected:
         print(f"[jitckpt] rank {cfg.rank}: ignoring {path}: {why}", file=sys.stderr)
-    env_step = contract.RESTORE_STEP.get().strip()
-    if env_step == "none":
+    plan = rt.plan
+    if plan.decided and plan.step is None:
         return None
-    if env_step:
-        step = int(env_step)
-    else:
-        step = layout.select_step(replicas, {r.shard for r in replicas})
+    step = plan.step if plan.decided else layout.select_step(replicas, {r.shard for r in replicas})
+
     def older(s: int) -> int | None:
         return layout.select_step(replicas, {rt.shard}, max_step=s - 1)
 
@@ -171,7 +169,7 @@ def get_checkpoint_path() -> str | None:
     if step is None:
         return None
     rep = layout.pick_replica(replicas, step, rt.shard, prefer_rank=cfg.rank)
-    if rep is None and env_step:
+    if rep is None and plan.decided:
         # The job chose a step whose replica here failed verification after
         # the choice (corrupted since): the newest valid older one, loudly.
         # If other ranks did load the chosen step, the job-wide consistency

@@ -30,7 +30,7 @@ class WorkerConfig:
     rank: int
     world_size: int
     restart_count: int
-    restore_step: int | None
+    plan: contract.RestorePlan
     store_addr: tuple[str, int] | None
     fault_spec: str
     attempt: int = 0  # job-wide (the rendezvous round under jitrun), same on every node
@@ -56,7 +56,7 @@ def from_env(env: os._Environ | dict = os.environ) -> WorkerConfig:
         world_size=int(env.get("WORLD_SIZE", "1")),
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         attempt=contract.attempt(env),
-        restore_step=contract.restore_step(env),
+        plan=contract.RestorePlan.from_env(env),
         store_addr=addr,
         fault_spec=contract.FAULT.get(env),
         report_stream=contract.REPORT_STREAM.get(env),

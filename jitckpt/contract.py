@@ -124,9 +124,56 @@ def attempt(env: Env | None = None) -> int:
     return ATTEMPT.get(e) if ATTEMPT.raw(e) else int(e.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
-def restore_step(env: Env | None = None) -> int | None:
-    raw = RESTORE_STEP.get(env).strip()
-    return int(raw) if raw.isdigit() else None
+@dataclass(frozen=True)
+class RestorePlan:
+    """What the job restores this round: decided by the agents once per round
+    (launcher/recovery/restore.py), handed to the workers by jitrun's one
+    environment writer (launcher/worker_env.py) and read once by each worker
+    (config.WorkerConfig.plan). On the wire it stays RESTORE_STEP,
+    RESTORE_SOURCE and EC_FALLBACK_STEP, so a plan is one value on both sides.
+
+    ``decided``: False when no decision was handed (a first attempt, plain
+    torchrun): a worker then takes the newest complete replica it finds.
+    ``step``: the replica step (None: a fresh start). ``ec_step``: an EC
+    snapshot to decode first, job-wide; ``step`` is then its fallback."""
+
+    decided: bool = False
+    step: int | None = None
+    ec_step: int | None = None
+
+    @classmethod
+    def from_env(cls, env: Env | None = None) -> RestorePlan:
+        raw = RESTORE_STEP.get(env).strip()
+        if not raw:
+            return cls()
+        chosen = int(raw) if raw.isdigit() else None
+        if RESTORE_SOURCE.get(env) == "ec" and chosen is not None:
+            fallback = EC_FALLBACK_STEP.get(env).strip()
+            return cls(True, int(fallback) if fallback.isdigit() else None, chosen)
+        return cls(True, chosen)
+
+    def to_env(self, env: Env | None = None) -> None:
+        if not self.decided:
+            for var in (RESTORE_STEP, RESTORE_SOURCE, EC_FALLBACK_STEP):
+                var.unset(env)
+            return
+        step = "none" if self.step is None else self.step
+        if self.ec_step is not None:
+            RESTORE_STEP.set(self.ec_step, env)
+            RESTORE_SOURCE.set("ec", env)
+            EC_FALLBACK_STEP.set(step, env)
+        else:
+            RESTORE_STEP.set(step, env)
+            RESTORE_SOURCE.unset(env)
+            EC_FALLBACK_STEP.unset(env)
+
+    def fallback(self) -> RestorePlan:
+        """The plan once the EC decode failed job-wide: the replica step."""
+        return RestorePlan(self.decided, self.step)
+
+    def decoded(self) -> RestorePlan:
+        """The plan once the EC snapshot was decoded into the replica layout: its step."""
+        return RestorePlan(self.decided, self.ec_step)
 
 
 def ec_op_timeout_s(timeout_s: float) -> float:

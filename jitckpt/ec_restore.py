@@ -1,7 +1,7 @@
 """Restore from an erasure-coded snapshot, inside ``get_checkpoint_path``.
 
-When the job's decision chose an EC version (``JITCKPT_RESTORE_SOURCE=ec``, ``JITCKPT_RESTORE_STEP=<step>``),
-every restarted rank, before ``get_checkpoint_path`` returns:
+When the job's decision chose an EC version (the ``RestorePlan``'s ``ec_step``), every restarted rank,
+before ``get_checkpoint_path`` returns:
 
 1. lists the chunks of that step in its node's ``/dev/shm`` and all-gathers the lists (and commit records)
    over the EC gloo group (node numbering may have changed since the snapshot: chunks are found by content);
@@ -12,7 +12,7 @@ every restarted rank, before ``get_checkpoint_path`` returns:
 3. decodes (``Codec``), then ``ec_pack.unpack`` checks every file's sha256 before writing, and the files are
    published as an ordinary replica directory with MANIFEST.json (``layout.publish``, marked ``source: ec``),
    so the normal path of ``get_checkpoint_path`` verifies and returns it;
-4. all-gathers success: if any rank failed, every rank falls back to ``JITCKPT_EC_FALLBACK_STEP`` (the
+4. all-gathers success: if any rank failed, every rank falls back to the plan's ``step`` (the
    persistent step the decision prepared, or a fresh start), loudly, so no rank trains on other state.
 """
 
@@ -31,15 +31,14 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 
-def restore(rt: Runtime) -> bool:
-    """Decode the chosen EC step into this rank's jit dir; set JITCKPT_RESTORE_STEP for the normal path
-    to the EC step on success, else to the fallback. Runs once per process. True when decoded."""
-    source = contract.RESTORE_SOURCE.unset() or ""
-    if source != "ec":
-        return False
+def restore(rt: Runtime, plan: contract.RestorePlan) -> contract.RestorePlan:
+    """Decode the plan's EC step into this rank's jit dir, agreed job-wide: the plan with
+    that step on success, else with its fallback (a replica step, or a fresh start).
+    Collective over the ranks; the caller runs it once per process."""
     cfg = rt.cfg
-    step = int(contract.RESTORE_STEP.get())
-    fallback = contract.EC_FALLBACK_STEP.get()
+    assert plan.ec_step is not None
+    step = plan.ec_step
+    fallback = "none" if plan.step is None else str(plan.step)
     ok, why = False, ""
     try:
         g = ec_snapshot.ec_group(ec_snapshot.group_timeout())
@@ -59,13 +58,12 @@ def restore(rt: Runtime) -> bool:
     if everyone:
         log(f"rank {cfg.rank}: restored step {step} from the EC snapshot in peers' memory")
         rt.report("ec_restored", step=step)
-        return True
-    contract.RESTORE_STEP.set(fallback)
+        return plan.decoded()
     log(f"rank {cfg.rank}: WARNING: EC snapshot of step {step} could not be restored job-wide "
         f"({why or 'another rank failed'}); falling back to "
         f"{'a FRESH START' if fallback == 'none' else 'step ' + fallback}")
     rt.report("ec_restore_failed", step=step, error=why[:300], fallback=fallback)
-    return False
+    return plan.fallback()
 
 
 def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, str]:

@@ -101,6 +101,7 @@ class Runtime:
         # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
         self.on_snapshot: Callable[..., None] | None = None
         self.verifier = None  # verifier.Verifier: the replicas' state checks (jitrun only)
+        self.plan = cfg.plan  # what to restore; an EC decode turns it into its step or its fallback (api)
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
         self.loaded_path: str | None = None  # and where it was
         self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)

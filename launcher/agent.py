@@ -20,7 +20,6 @@ Agent's main thread, except the threads each collaborator documents.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -28,12 +27,13 @@ import time
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from jitckpt import auth, contract, layout
+from jitckpt import auth, layout
 from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 from jitckpt.torch_compat import elastic
 
 from . import error_files, migrate, rdzv, warm
+from . import worker_env as jit_env
 from .devices import describe, scheduler
 from .devices.watch import DeviceWatch
 from .events import EventLog
@@ -71,10 +71,7 @@ class JitAgent(LocalElasticAgent):
         events.node = self._node.node_id
         self._round = 0
         self._local_ranks: set[int] = set()
-        # what jitrun sets for workers after the warm-start server started
-        self._env_keys: set[str] = {contract.RESTORE_STEP.name, "CUDA_VISIBLE_DEVICES", contract.ATTEMPT.name,
-                                    contract.REPORT_STREAM.name}
-        contract.REPORT_STREAM.set(self._node.node_id)  # this node's workers report to this agent only
+        jit_env.report_stream(self._node.node_id)  # this node's workers report to this agent only
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
         self._failure: Failure | None = None
@@ -94,8 +91,8 @@ class JitAgent(LocalElasticAgent):
         self._detector = Detector(self._book, events)
         self._hang = HangWatch(jit.root, events, ceiling_s=jit.timeout_s,
                                enabled=not jit.timeout_fixed and not migrate.enabled())
-        self._restorer = Restorer(jit, self._node, events, self._env_keys)
-        self._devices = DeviceWatch(jit, self._node, events, self._wakeup.poke, self._where, self._env_keys)
+        self._restorer = Restorer(jit, self._node, events)
+        self._devices = DeviceWatch(jit, self._node, events, self._wakeup.poke, self._where)
         handler = spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
                      healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
@@ -136,7 +133,7 @@ class JitAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         handler = worker_group.spec.rdzv_handler
         self._round = rdzv.job_attempt(handler, worker_group.spec.max_restarts - self._remaining_restarts)
-        contract.ATTEMPT.set(self._round)
+        jit_env.attempt(self._round)
         self._local_ranks = {w.global_rank for w in worker_group.workers}
         self._book.new_round(self._round, self._local_ranks)
         self._where.asked.clear()
@@ -176,9 +173,7 @@ class JitAgent(LocalElasticAgent):
         # step, scheduler placement) goes in explicitly.
         for k, v in warm.changed_env().items():
             worker_env.setdefault(k, v)
-        for k in self._env_keys:
-            if k in os.environ:
-                worker_env[k] = os.environ[k]
+        jit_env.into(worker_env)
 
     def announce_hang_bound(self, when: str) -> None:
         self._hang.announce(when)
@@ -383,7 +378,7 @@ class JitAgent(LocalElasticAgent):
             self._remaining_restarts = 0
             self._stop_workers(worker_group)
             raise scheduler.JobAborted("jitrun: scheduler hook asked to abort the job")
-        placement.apply(self._env_keys)
+        jit_env.placement(placement.env, placement.visible_devices)
         if restart_count == 1:  # torchrun counted this restart already
             self._hang.announce("before the first restart")
         self._exited.clear()

@@ -21,6 +21,7 @@ from pathlib import Path
 from jitckpt import contract, layout, torch_compat
 from jitckpt.config import DEFAULT_TIMEOUT_S
 
+from . import worker_env
 from .arg_checks import DEFAULT_EC_EVERY, _check_ec, _check_program, _check_seconds, _check_sizes
 from .preempt import DEFAULT_GRACE_S, EXIT_PREEMPTED, Preempted, Preemption
 
@@ -329,7 +330,7 @@ def _launch(args, root: Path, job_id: str, ident: str, sched: str, before_exit, 
     _share_rdzv_store()
     timeout, fixed = args.jit_timeout or (contract.TIMEOUT.get(), contract.TIMEOUT_FIXED.get())
     _tell_workers(args, root, job_id, timeout, fixed)
-    contract.JOB_IDENTITY.set(ident)
+    worker_env.identity(ident)
     intercept = _want_intercept(args.jit_intercept) and _preload_shim(root)
     _warm_start_early(args, intercept)
     from torch.distributed.run import config_from_args
@@ -372,22 +373,11 @@ def _previous_run(root: Path, job_id: str, resume: bool) -> None:
 
 def _tell_workers(args, root: Path, job_id: str, timeout: float, fixed: bool) -> None:
     """The contract's variables every worker starts with (jitckpt/contract.py)."""
-    contract.DIR.set(root)
-    contract.JOB_ID.set(job_id)
-    contract.TOKEN.set(args.job_token)  # checked by check_args
-    contract.TIMEOUT.set(timeout)
-    contract.TIMEOUT_FIXED.set(int(fixed))
-    contract.AGENT_PID.set(os.getpid())  # a worker dies with this process (jitckpt/parent_death.py)
-    for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP, contract.MIGRATABLE):
-        var.unset()
-    # EC snapshots: workers read these; 0 = off, nothing of it runs
-    contract.EC_EVERY.set(getattr(args, "jit_ec_every", 0))
-    contract.EC_CODE.set(getattr(args, "jit_ec_code", "auto"))
-    contract.VERIFY_EVERY.set(getattr(args, "jit_verify_every", 0))
-    if getattr(args, "jit_ec_every", 0):
-        cap, how = args.ec_cap  # resolved by check_args
-        contract.EC_MAX_MEM.set(cap)
-        contract.EC_MAX_MEM_HOW.set(how)
+    ec_every = getattr(args, "jit_ec_every", 0)
+    worker_env.job(root=root, job_id=job_id, token=args.job_token, timeout_s=timeout, fixed=fixed,  # token: check_args
+                   ec_every=ec_every, ec_code=getattr(args, "jit_ec_code", "auto"),
+                   verify_every=getattr(args, "jit_verify_every", 0),
+                   ec_cap=args.ec_cap if ec_every else None)  # resolved by check_args
 
 
 def _preload_shim(root: Path) -> bool:
@@ -398,14 +388,12 @@ def _preload_shim(root: Path) -> bool:
               f"{contract.INTERCEPT_LIB.name}); NCCL hangs are then detected by the process group "
               "timeout only", file=sys.stderr)
         return False
-    os.environ["LD_PRELOAD"] = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
     # The shim recovers lost collectives and NCCL errors in place; what it cannot
     # recover falls back to jitckpt's JIT save (Python workers, the hang handler)
     # or to an exit 75 for a restart (any program).
     from .shim_events import SHIM_EVENTS
 
-    contract.ON_HANG.setdefault("recover")
-    contract.SHIM_EVENTS.setdefault(root / SHIM_EVENTS)
+    worker_env.preload(lib, root / SHIM_EVENTS)
     return True
 
 
@@ -423,12 +411,10 @@ def _torchrun_defaults(args) -> None:
         args.master_port = 29500
     from . import netconf
 
-    for line in netconf.derive(args, os.environ):
+    env = dict(os.environ)
+    for line in netconf.derive(args, env):
         print(f"jitrun: derived {line}", flush=True)
-
-
-def _prepend_pythonpath(path: str) -> None:
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))
+    worker_env.network({k: v for k, v in env.items() if os.environ.get(k) != v})
 
 
 def _share_rdzv_store() -> None:
@@ -439,7 +425,7 @@ def _share_rdzv_store() -> None:
     a store nobody serves yet: the job would end on a store timeout. Dropped here,
     before the warm-start server copies the environment, and said."""
     if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
-        del os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
+        worker_env.drop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
         print("jitrun: ignoring TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: jitrun's agents coordinate through the "
               "rendezvous store they share with the workers (unset it to silence this line)", file=sys.stderr,
               flush=True)
@@ -476,7 +462,7 @@ def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) 
     """How each worker starts so jitckpt's runtime is attached before the user's code."""
     migratable = getattr(args, "jit_migratable", "off") == "on"
     if isinstance(cmd, str) and not args.no_python and not args.run_path:
-        _prepend_pythonpath(str(Path(__file__).resolve().parent.parent))
+        worker_env.python_path(str(Path(__file__).resolve().parent.parent))
         if _warm_start(args, intercept):
             from . import warm
 
@@ -495,20 +481,18 @@ def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) 
     elif args.no_python:
         import jitckpt
 
-        _prepend_pythonpath(str(Path(jitckpt.__file__).resolve().parent / "_autoload"))
+        worker_env.python_path(str(Path(jitckpt.__file__).resolve().parent / "_autoload"))
     if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migrate.py
         from . import migrate
 
-        contract.MIGRATABLE.set(1)
-        contract.MIGRATE_NO_PAUSE.set(1 if args.no_python else 0)
+        worker_env.migratable(no_pause=bool(args.no_python))
         cmd, cmd_args = migrate.wrap(cmd, cmd_args)
         if "libjitintercept" in os.environ.get("LD_PRELOAD", ""):
             # a sticky device error parks the process for a move to a new device
             # (launcher/migration/device_loss.py) instead of ending it
             from .migration import device_loss
 
-            contract.ON_DEVICE_LOSS.setdefault("migrate")
-            contract.DEVICE_DIR.setdefault(device_loss.control_dir(root))
+            worker_env.park_on_device_loss(device_loss.control_dir(root))
     return cmd, cmd_args
 
 

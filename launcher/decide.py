@@ -460,17 +460,12 @@ class Coordinator:
 # -- EC snapshots as a restore source ---------------------------------------------------------
 
 
-def ec_env(d: Decision, env) -> None:
-    """What the workers need to restore an EC choice: JITCKPT_RESTORE_STEP=<EC step>,
-    JITCKPT_RESTORE_SOURCE=ec and, if the decode fails job-wide, JITCKPT_EC_FALLBACK_STEP (the replica
-    step, fetched to this node as for any restore, or "none"). Cleared for any other source."""
-    if d.source == "ec" and d.ec_step is not None:
-        contract.EC_FALLBACK_STEP.set("none" if d.step is None else d.step, env)
-        contract.RESTORE_STEP.set(d.ec_step, env)
-        contract.RESTORE_SOURCE.set("ec", env)
-    else:
-        contract.RESTORE_SOURCE.unset(env)
-        contract.EC_FALLBACK_STEP.unset(env)
+def plan_of(d: Decision) -> contract.RestorePlan:
+    """What the workers restore after decision ``d``: its replica step (fetched to this node as
+    for any restore) or a fresh start, with an EC snapshot to decode first when EC was chosen
+    (the replica step is then the fallback if the decode fails job-wide)."""
+    ec = d.ec_step if d.source == "ec" else None
+    return contract.RestorePlan(decided=True, step=d.step, ec_step=ec)
 
 
 def source_event(d: Decision, progress: int = -1) -> dict:

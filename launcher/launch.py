@@ -23,7 +23,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from jitckpt import layout, torch_compat
 from jitckpt.torch_compat import elastic
 
-from . import rdzv
+from . import rdzv, worker_env
 from .agent import JitAgent
 from .events import EventLog, summary
 from .options import JitOptions
@@ -96,7 +96,7 @@ def _worker_spec(config: LaunchConfig, cmd, cmd_args: list) -> WorkerSpec:
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
         **config.rdzv_configs)
     master_addr, master_port = elastic.addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = torch_signals(config.signals_to_handle)
+    worker_env.signals_to_handle(torch_signals(config.signals_to_handle))
     return WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd,
         args=tuple(cmd_args), rdzv_handler=rdzv_registry.get_rendezvous_handler(params),

@@ -371,7 +371,7 @@ def test_a_rank_stopped_here_after_another_nodes_ranks_finished_is_a_failure():
     book_b = ReportBook(Events())
     book_b.new_round(4, {2, 3})
     book_b.absorb({"event": "finished", "t": 1.0, "rank": 2, "attempt": 4}, None, lambda m: None)
-    restorer_b = Restorer(Namespace(), a.node, Events(), set())
+    restorer_b = Restorer(Namespace(), a.node, Events())
     restorer_b.coord = b
     assert not a.some_finished(4)
     restorer_b.share(book_b, 4)
@@ -418,15 +418,29 @@ def test_an_agent_restarts_on_the_decision_it_read_not_an_older_newest_record(mo
     for var in (contract.RESTORE_STEP, contract.RESTORE_SOURCE, contract.EC_FALLBACK_STEP):
         monkeypatch.delenv(var.name, raising=False)
     fetched: list[tuple[int, str]] = []
-    r = Restorer(Namespace(), b.node, Events(), set())
+    r = Restorer(Namespace(), b.node, Events())
     r.coord = b
     monkeypatch.setattr(r, "_fetch", lambda d, shard: fetched.append((d.step, shard)))
     r.decision = b.decided(2)  # what ``agree`` gave this agent
     r.prepare({1})
     assert contract.RESTORE_STEP.get() == "15" and fetched == [(15, "0")] and r.decision == new
     # an agent that took no part (a spare, a replacement) takes the newest record
-    r2 = Restorer(Namespace(), decide.NodeInfo("z", "z", "z"), Events(), set())
+    r2 = Restorer(Namespace(), decide.NodeInfo("z", "z", "z"), Events())
     r2.coord = decide.Coordinator(store, "t", r2._node)
     monkeypatch.setattr(r2, "_fetch", lambda d, shard: None)
     r2.prepare({1})
     assert contract.RESTORE_STEP.get() == "9" and r2.decision == old
+
+
+def test_restore_plan_is_one_value_on_both_sides():
+    """The agents' plan and the worker's reading of it: the same value through the environment."""
+    from jitckpt.contract import RestorePlan
+
+    for plan in (RestorePlan(), RestorePlan(True, None), RestorePlan(True, 12), RestorePlan(True, 8, 10),
+                 RestorePlan(True, None, 10)):
+        env: dict[str, str] = {"JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_EC_FALLBACK_STEP": "3"}  # a stale plan
+        plan.to_env(env)
+        assert RestorePlan.from_env(env) == plan, (plan, env)
+    ec = RestorePlan(True, 8, 10)
+    assert ec.decoded() == RestorePlan(True, 10) and ec.fallback() == RestorePlan(True, 8)
+    assert RestorePlan(True, None, 10).fallback() == RestorePlan(True, None)  # a fresh start, said

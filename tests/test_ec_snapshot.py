@@ -346,7 +346,7 @@ def test_decision_order_replica_ec_persistent_fresh():
     d = _decide([2], ec4)
     assert (d.source, d.step, d.ec_step) == ("ec", 2, 4), d
     env = {}
-    decide.ec_env(d, env)
+    decide.plan_of(d).to_env(env)
     assert env == {"JITCKPT_RESTORE_STEP": "4", "JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_EC_FALLBACK_STEP": "2"}
     ev = decide.source_event(d, progress=6)
     assert ev["source"] == "ec" and ev["step"] == 4 and ev["minibatches_lost"] == 3 and ev["not_used"], ev
@@ -361,8 +361,8 @@ def test_decision_order_replica_ec_persistent_fresh():
     assert d.source == "fresh" and d.step is None
     assert "RESTARTS FROM SCRATCH" in decide.source_line(d) and "not decodable" in decide.source_line(d)
     env = {"JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_EC_FALLBACK_STEP": "2"}
-    decide.ec_env(d, env)
-    assert env == {}
+    decide.plan_of(d).to_env(env)
+    assert env == {"JITCKPT_RESTORE_STEP": "none"}  # the EC variables cleared, the fresh start said
     # EC off (no "ec" in any inventory, --jit-ec-every 0): the replica decision, untouched
     d = _decide([2], [None, None])
     assert (d.source, d.step, d.ec_step, d.ec) == ("replica", 2, None, None)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from jitckpt import layout
 from jitckpt.collective_errors import find_collective_error, is_collective_error
 from jitckpt.config import WorkerConfig
+from jitckpt.contract import RestorePlan
 from jitckpt.faults import InjectedFault
 from jitckpt.runtime import Phase, Runtime
 
@@ -28,7 +29,7 @@ class SaveCalled(Exception):
 
 def _cfg(root: Path | None = None, **kw) -> WorkerConfig:
     base = dict(root=root, job_id="job-rt", token="", timeout_s=5.0, rank=0, world_size=2, restart_count=0,
-                restore_step=None, store_addr=None, fault_spec="")
+                plan=RestorePlan(), store_addr=None, fault_spec="")
     base.update(kw)
     return WorkerConfig(**base)
 

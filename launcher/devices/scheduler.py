@@ -73,14 +73,6 @@ class Placement:
     to: str | None = None  # action "migrate": the target node's address
     device: str | None = None  # event "device_lost", action "migrate": the device to attach there
 
-    def apply(self, env_keys: set[str]) -> None:
-        """Into this process's environment, for the workers it starts next
-        (``env_keys``: what the agent hands forked workers explicitly)."""
-        os.environ.update(self.env)
-        env_keys.update(self.env)
-        if self.visible_devices is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
-
     def summary(self) -> dict:
         return {"action": self.action, "env": sorted(self.env), "visible_devices": self.visible_devices}
 

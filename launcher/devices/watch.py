@@ -27,7 +27,7 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from jitckpt import contract
 
-from .. import criu, migrate, migrate_agent
+from .. import criu, migrate, migrate_agent, worker_env
 from ..migration import device_loss
 from ..workers import Proc, Whereabouts
 from . import health, scheduler
@@ -35,14 +35,12 @@ from .describe import describe
 
 
 class DeviceWatch:
-    def __init__(self, jit, node, events, poke: Callable[[], None], where: Whereabouts,
-                 env_keys: set[str]) -> None:
+    def __init__(self, jit, node, events, poke: Callable[[], None], where: Whereabouts) -> None:
         self._jit = jit
         self._node = node
         self._events = events
         self._poke = poke
         self._where = where
-        self._env_keys = env_keys
         self._unhealthy: list = []  # appended by the monitor thread, taken by the main thread
         self.bad: set[str] = set()  # left out of CUDA_VISIBLE_DEVICES at the next start
         self._monitor: health.HealthMonitor | None = None
@@ -71,8 +69,7 @@ class DeviceWatch:
                 self._jit.job_id, self._node, event="device_unhealthy", failed_devices=failing,
                 devices=",".join(names), nproc_per_node=wg.spec.local_world_size, ranks=[]))
             if placement.visible_devices is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = placement.visible_devices
-                self._env_keys.add("CUDA_VISIBLE_DEVICES")
+                worker_env.placement({}, placement.visible_devices)
                 print(f"jitrun: device(s) {', '.join(failing)} failing: starting on CUDA_VISIBLE_DEVICES="
                       f"{placement.visible_devices}", file=sys.stderr, flush=True)
         if self._monitor is None and self._jit.health_interval_s > 0 and health.available():

@@ -13,13 +13,12 @@ connection, reading replica files only).
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
 from jitckpt import contract, layout
 
-from .. import decide, transfer
+from .. import decide, transfer, worker_env
 from . import alive
 from .episode import Failure
 from .reports import ReportBook
@@ -39,11 +38,10 @@ class NodeEvicted(Exception):
 
 
 class Restorer:
-    def __init__(self, jit, node, events, env_keys: set[str]) -> None:
+    def __init__(self, jit, node, events) -> None:
         self._jit = jit
         self._node = node
         self._events = events
-        self._env_keys = env_keys
         self.coord: decide.Coordinator | None = None
         self._server: transfer.ReplicaServer | None = None
         self.decision: decide.Decision | None = None
@@ -114,10 +112,8 @@ class Restorer:
         if d is None:
             return
         self.decision = d
-        contract.RESTORE_STEP.set("none" if d.step is None else d.step)
-        # an EC version was chosen: the workers decode it, d.step stays their fallback
-        decide.ec_env(d, os.environ)
-        self._env_keys |= {contract.RESTORE_SOURCE.name, contract.EC_FALLBACK_STEP.name}
+        # an EC version chosen: the workers decode it, d.step stays their fallback
+        worker_env.plan(decide.plan_of(d))
         if d.step is None:
             return
         need = sorted({d.shard_of_rank.get(str(r)) for r in local_ranks} - {None}) or d.shards
@@ -151,6 +147,7 @@ class Restorer:
         was taken as lost and came back)."""
         jit_steps = {int(m["step"]) for m in f.saved.values()}
         abort = False
+        plan: contract.RestorePlan | None = None
         if self.coord is None:  # no coordination store: this node's disk is all we know
             replicas, _bad = layout.scan(self._jit.root, self._jit.job_id, self._jit.identity)
             all_shards = set(shards.values()) | {r.shard for r in replicas} or {"0"}
@@ -175,9 +172,10 @@ class Restorer:
             # an EC snapshot chosen job-wide replaces an older (or no) replica step
             if d.source == "ec":
                 step = d.ec_step
+            plan = decide.plan_of(d)
         self._announce(f, step, jit_steps, bool(shards))
         f.restore_step = step
-        contract.RESTORE_STEP.set("none" if step is None else step)
+        worker_env.plan(plan or contract.RestorePlan(decided=True, step=step))
         return False, abort
 
     def _announce(self, f: Failure, step: int | None, jit_steps: set[int], registered: bool) -> None:
