@@ -58,7 +58,7 @@ def test_dropin_script_restarts_on_its_own_checkpoints(tmp_path):
                    str(tmp_path / "own.pt")],
                   env={"JITCKPT_FAULT": "rank=1,step=9,phase=backward,kind=sigkill"})
     assert cp.returncode == 0, cp.stdout[-4000:]
-    assert "from scratch" not in cp.stdout
+    assert "from scratch" not in cp.stdout.lower(), cp.stdout[-4000:]
     assert "no rank registered a save_fn" in cp.stdout
     assert "own checkpoint at step 8" in cp.stdout
     evs = _events(jit)

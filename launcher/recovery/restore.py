@@ -234,5 +234,8 @@ class Restorer:
         # which source the restart uses, why not a better one, steps lost
         if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
             self._events.emit("restore_source", **decide.source_event(won, f.progress))
-            print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
+            # a script that registered no save_fn restarts on its own checkpoints, if it keeps any: not
+            # "from scratch" (_announce says so), whatever jitrun had of its own to restore
+            if shards or won.source != "fresh":
+                print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
         return won
