@@ -695,3 +695,32 @@ def test_bench_buffers_copies_every_buffer_and_reports_both_clocks() -> None:
     assert r["buffers"] == 60 and r["copy_alone_us"] > 0, r  # ResNet-18: 20 BatchNorm layers x 3 buffers
     for clock in ("cpu", "wall"):
         assert r[clock]["block_ratio_median"] > 0 and r[clock]["step_ms_with"] > 0, r
+
+
+# -- bench_attribution (synthetic rounds) ------------------------------------------------------
+
+import bench_attribution as ba  # noqa: E402
+
+
+def test_attribution_charges_each_feature_its_own_difference():
+    """Each variant against its own round's torchrun; a feature's cost is jitrun minus the
+    variant without it (here the EC snapshots cost 300 us a step, the rest nothing)."""
+    base = 0.010
+
+    def figures(added_us: float) -> dict:
+        s = base + added_us * 1e-6
+        return {"step_s": s, "step_median_s": s, "cpu_per_step_s": s}
+
+    rounds = []
+    for drift in (1.0, 1.1, 0.95):  # the machine's load moves every figure of a round alike
+        r = {"torchrun": figures(0.0), "jitrun": figures(400.0), "no-ec": figures(100.0),
+             "no-verify": figures(400.0), "fixed-timeout": figures(400.0), "no-warm": figures(400.0),
+             "all-off": figures(100.0)}
+        rounds.append({v: {m: x * drift for m, x in f.items()} for v, f in r.items()})
+    s = ba.summarize(rounds)
+    assert abs(s["jitrun"]["step_median_s"]["ratio_median"] - 1.04) < 1e-9
+    assert abs(s["no-ec"]["step_median_s"]["added_us_median"] - 100.0) < 1e-6
+    lines = ba.table(s, base * 1e3)
+    assert "ec 300" in lines[-1] and "verify 0" in lines[-1] and "warm 0" in lines[-1], lines[-1]
+    cmd = ba.command("no-ec", 100, Path("/tmp/j"), ["--d-model", "32"])
+    assert cmd[cmd.index("--jit-ec-every") + 1] == "0" and cmd[-2:] == ["--d-model", "32"], cmd
