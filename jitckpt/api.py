@@ -39,7 +39,7 @@ def install() -> Runtime:
         hooks.install(rt)
         rt.install_signal_watch()
         _attach_intercept(rt)
-        from . import ec_snapshot  # --jit-ec-every N: nothing happens when N is 0
+        from .ec import snapshot as ec_snapshot  # --jit-ec-every N: nothing happens when N is 0
 
         ec_snapshot.install(rt)
         from . import verifier  # the replicas' state checks: at the start, and every N minibatches
@@ -146,7 +146,7 @@ def get_checkpoint_path() -> str | None:
     if rt.plan.ec_step is not None:
         # the job chose an EC snapshot: decode it into the layout here (collective over the
         # ranks), then the normal path below with its step, or with the fallback
-        from . import ec_restore
+        from .ec import restore as ec_restore
 
         rt.plan = ec_restore.restore(rt, rt.plan)
     replicas, rejected = layout.scan(cfg.root, cfg.job_id or None, cfg.identity or None)

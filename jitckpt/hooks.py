@@ -122,7 +122,7 @@ def _wait_guard(rt: Runtime, fn):
     """``Work.wait``: the completion of a collective, in the main thread once
     training started, is a collective like a ``torch.distributed`` call. Not
     elsewhere: jitckpt's own erasure-coding group waits in a thread of its own
-    and at start-up (ec_snapshot.py, ec_restore.py) and handles its errors."""
+    and at start-up (ec/snapshot.py, ec/restore.py) and handles its errors."""
     main = threading.main_thread()
 
     @functools.wraps(fn)

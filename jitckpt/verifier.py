@@ -282,7 +282,7 @@ class Verifier:
 
     def _stage(self, step: int, collective: bool) -> None:
         """The save_fn into host memory (this job's tmpfs directory), replacing the last one."""
-        from . import ec_files
+        from .ec import files as ec_files
 
         rt = self.rt
         base = ec_files.private_root(rt.cfg.job_id) / "verified"
@@ -335,7 +335,7 @@ class Verifier:
         def copy_staged(d: str) -> None:
             shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(layout.MANIFEST))
 
-        from . import ec_files
+        from .ec import files as ec_files
 
         try:  # EC snapshots taken since may be of the corrupted state: the restart must not prefer them
             ec_files.drop_versions_after(rt.cfg.job_id, good)

@@ -25,7 +25,9 @@ def _check_ec(args) -> str | None:
         every = args.jit_ec_every = DEFAULT_EC_EVERY
     if every < 0:
         return f"--jit-ec-every {every}: expected a number of minibatches >= 0 (0 = no EC snapshots)"
-    from jitckpt import ec_memory, ec_pack, ec_snapshot
+    from jitckpt.ec import memory as ec_memory
+    from jitckpt.ec import pack as ec_pack
+    from jitckpt.ec import snapshot as ec_snapshot
 
     try:
         code = ec_snapshot.parse_code(getattr(args, "jit_ec_code", "auto"))

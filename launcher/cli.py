@@ -126,7 +126,7 @@ def _add_jit_options(g) -> None:
                         "without a registered save_fn)")
     g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
                    help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
-                        "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec_pack.default_code)")
+                        "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec.pack.default_code)")
     g.add_argument("--jit-ec-max-mem", default=None, metavar="SIZE",
                    help="most /dev/shm memory this job's EC snapshots may use on each node: bytes with a K/M/G/T "
                         "suffix (powers of 1024) or a percentage of MemAvailable (default 25%% of MemAvailable, "

@@ -301,7 +301,7 @@ def _image_files(d: Path) -> list[Path]:
 def _crc32c_file(path: Path) -> str:
     import mmap
 
-    from jitckpt.ec import crc32c
+    from jitckpt.ec.codec import crc32c
 
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -313,7 +313,7 @@ def _crc32c_file(path: Path) -> str:
 
 def _checksum_kind() -> str:
     try:
-        from jitckpt.ec import crc32c
+        from jitckpt.ec.codec import crc32c
 
         crc32c(b"")
         return "crc32c"

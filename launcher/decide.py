@@ -180,7 +180,8 @@ def inventory(root: Path, job_id: str, node: NodeInfo, finished: set[int] = froz
     good, _bad = layout.scan(root, job_id, identity)
     reps = [{"step": r.step, "shard": r.shard, "rank": r.rank, "saved_at": r.saved_at,
              "manifest_sha256": layout.sha256_file(r.path / layout.MANIFEST)} for r in good]
-    from jitckpt import ec_files, ec_snapshot
+    from jitckpt.ec import files as ec_files
+    from jitckpt.ec import snapshot as ec_snapshot
 
     # the EC chunks and commit records in this node's /dev/shm (the agent shares its workers' mounts)
     inv = {**asdict(node), "replicas": reps, "finished": sorted(finished)}
@@ -240,7 +241,7 @@ def choose_source(d: Decision, inventories: list[dict]) -> None:
     """The recovery order: a replica checkpoint (this failure's JIT checkpoint is the newest step
     there is, so it wins any tie); else the newest committed EC version decodable from the nodes that
     answered, when newer than the newest persistent replica; else that replica; else a fresh start."""
-    from jitckpt import ec_files
+    from jitckpt.ec import files as ec_files
 
     d.source = "replica" if d.step is not None else "fresh"
     ecs = [i["ec"] for i in inventories if i.get("ec") is not None]

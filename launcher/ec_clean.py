@@ -24,7 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from jitckpt import ec_files, ec_memory, layout
+from jitckpt import layout
+from jitckpt.ec import files as ec_files
+from jitckpt.ec import memory as ec_memory
 
 PROG = "jitrun clean"
 

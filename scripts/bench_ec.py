@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt.ec import Codec, crc32c  # noqa: E402
+from jitckpt.ec.codec import Codec, crc32c  # noqa: E402
 
 CODES = [(4, 2), (8, 3)]
 

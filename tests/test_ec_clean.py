@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import contract, ec_files, ec_pack, layout
+from jitckpt import contract, layout
+from jitckpt.ec import files as ec_files
+from jitckpt.ec import pack as ec_pack
 
 ROOT = Path(__file__).resolve().parent.parent
 

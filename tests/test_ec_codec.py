@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jitckpt import ec
-from jitckpt.ec import Codec, IsalUnavailable, crc32c
+from jitckpt.ec import codec as ec
+from jitckpt.ec.codec import Codec, IsalUnavailable, crc32c
 
 ROOT = Path(__file__).resolve().parent.parent
 CODES = [(2, 1), (4, 2), (3, 3), (8, 3)]

@@ -1,4 +1,4 @@
-"""jitckpt.ec_pack: packing, chunk files and placement (with jitckpt.ec for the end-to-end paths)."""
+"""jitckpt.ec.pack: packing, chunk files and placement (with jitckpt.ec for the end-to-end paths)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt.ec import Codec
-from jitckpt.ec_pack import (
+from jitckpt.ec.codec import Codec
+from jitckpt.ec.pack import (
     CHUNK_HEADER_SIZE,
     ChunkError,
     ChunkTag,

@@ -21,7 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt import contract, ec_files, ec_pack, ec_snapshot  # noqa: E402
+from jitckpt import contract  # noqa: E402
+from jitckpt.ec import files as ec_files  # noqa: E402
+from jitckpt.ec import pack as ec_pack  # noqa: E402
+from jitckpt.ec import snapshot as ec_snapshot  # noqa: E402
 
 
 def _content(rank: int, step: int) -> dict[str, bytes]:

@@ -25,7 +25,8 @@ import pytest
 import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
 
-from jitckpt import auth, consistency, contract, ec_files, layout, migrate_worker
+from jitckpt import auth, consistency, contract, layout, migrate_worker
+from jitckpt.ec import files as ec_files
 from jitckpt.report import Reporter, ReportReader
 from jitrun import decide, migrate, migrate_agent, stream, transfer
 from jitrun.events import EventLog

@@ -24,11 +24,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import contract, ec_files, ec_pack, ec_snapshot, layout
-from .ec_snapshot import log
+from .. import contract, layout
+from . import files as ec_files
+from . import pack as ec_pack
+from . import snapshot as ec_snapshot
+from .snapshot import log
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from ..runtime import Runtime
 
 
 def restore(rt: Runtime, plan: contract.RestorePlan) -> contract.RestorePlan:
@@ -85,7 +88,7 @@ def _fetch_decode(rt: Runtime, g: ec_snapshot.Group, step: int) -> tuple[bool, s
     got = _valid_chunks(job, g.rank, dict(step=step, rank=g.rank, stripe=0, k=k, m=m, size=size), local, recvs)
     if len(got) < k:
         return False, f"{len(got)} valid chunk(s) of rank {g.rank}'s stripe survive, {k} needed"
-    from . import ec as _ec
+    from . import codec as _ec
 
     _publish(rt, step, _ec.Codec(k, m).decode(dict(sorted(got.items())[:k]), size))
     return True, ""

@@ -41,10 +41,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import contract, ec_files, ec_memory, ec_pack, layout
+from .. import contract, layout
+from . import files as ec_files
+from . import memory as ec_memory
+from . import pack as ec_pack
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from ..runtime import Runtime
 
 
 
@@ -298,7 +301,7 @@ class Snapshotter:
                 self._q.task_done()
 
     def _version(self, step: int, stage: Path | None) -> None:
-        from . import ec as _ec
+        from . import codec as _ec
 
         g = ec_group(group_timeout())
         code = self.code or ec_pack.default_code(len(g.nodes))

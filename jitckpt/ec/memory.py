@@ -9,8 +9,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import contract, ec_pack
-from .ec_files import VERSIONS_HELD, shm_base
+from .. import contract
+from . import pack as ec_pack
+from .files import VERSIONS_HELD, shm_base
 
 DEFAULT_MAX_MEM_FRACTION = 0.25  # default cap: this fraction of MemAvailable (and at most the /dev/shm size)
 

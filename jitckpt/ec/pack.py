@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import layout
+from .. import layout
 
 __all__ = [
     "PackError", "ChunkError", "ChunkTag", "pack_dir", "unpack", "write_chunk", "read_chunk", "chunk_name",
@@ -297,7 +297,7 @@ def chunk_name(tag: ChunkTag) -> str:
 
 def _digest(algo: int, payload) -> bytes:
     if algo == _CK_CRC32C:
-        from jitckpt.ec import crc32c
+        from jitckpt.ec.codec import crc32c
         return struct.pack("<I", crc32c(payload)).ljust(32, b"\0")
     return hashlib.sha256(payload).digest()
 
