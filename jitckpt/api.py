@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import config, layout
-from .consistency import FRESH
 from .runtime import Runtime, SaveFn
+from .verify.consistency import FRESH
 
 _runtime: Runtime | None = None
 _registered_at: str | None = None
@@ -42,7 +42,7 @@ def install() -> Runtime:
         from .ec import snapshot as ec_snapshot  # --jit-ec-every N: nothing happens when N is 0
 
         ec_snapshot.install(rt)
-        from . import verifier  # the replicas' state checks: at the start, and every N minibatches
+        from .verify import verifier  # the replicas' state checks: at the start, and every N minibatches
 
         verifier.install(rt)
     elif rt.cfg.fault_spec:

@@ -8,7 +8,7 @@ JITCKPT_ON_DEVICE_LOSS, JITCKPT_DEVICE_DIR, JITCKPT_SHIM_EVENTS and
 JITCKPT_RECOVER_TIMEOUT in C with the same meanings.
 
 The one timeout rule: a rank's hang bound is learned from the job's own
-timing (jitckpt/hang_bound.py: ``TIMEOUT_FLOOR``, ``TIMEOUT_MULT``), and
+timing (jitckpt/hang/bound.py: ``TIMEOUT_FLOOR``, ``TIMEOUT_MULT``), and
 ``TIMEOUT`` (``--jit-timeout S``) is its ceiling; with ``TIMEOUT_FIXED``
 (``--jit-timeout fixed:S``) ``TIMEOUT`` is the fixed seconds a collective
 may hang before the healthy ranks save, nothing learned. Every other bound
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from .hang_bound import FLOOR_S, MULT, STARTUP_S, Rule
+from .hang.bound import FLOOR_S, MULT, STARTUP_S, Rule
 
 T = TypeVar("T")
 Env = MutableMapping[str, str]

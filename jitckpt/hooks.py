@@ -19,7 +19,7 @@ What is hooked, and why each is needed:
   of 30 min; with the learned bound set past the ceiling (a backstop: the
   agent confirms a hang and ends the hung rank, launcher/recovery/hang.py);
 * the same places, and DDP's forward and the backward pass, time the rank's
-  collective waits for that watch (collective_waits.py);
+  collective waits for that watch (hang/waits.py);
 * ``sys.excepthook`` (and the end of the script, _bootstrap.py): a collective
   error raised where none of the above sees it still leads to a save when it
   ends the process, also through ``raise ... from`` or a ``sys.exit`` in an
@@ -58,7 +58,7 @@ _COLLECTIVES = (
 
 
 def _waiting(rt: Runtime, group: object = None) -> bool:
-    """Enter a collective wait of the agent's hang watch (collective_waits.py):
+    """Enter a collective wait of the agent's hang watch (hang/waits.py):
     from the first minibatch on, where a rank's peers can keep it waiting."""
     w = rt.waits
     if w is None or rt.phase is Phase.INIT:
@@ -227,7 +227,7 @@ def _hook_ddp_init(rt: Runtime, DDP) -> None:
             self.register_forward_pre_hook(lambda mod, inp: _ddp_forward(rt, mod, inp))
             _after_sync[self] = lambda ddp: _module_forward(rt, mirror, ddp.module, None)
             track_ddp(self)
-            tracked.add_model(self)  # the state the replicas compare (verifier.py)
+            tracked.add_model(self)  # the state the replicas compare (verify/verifier.py)
             buffers.announce_unsynced(self, rt.cfg.rank)
 
         return ddp_init

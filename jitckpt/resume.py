@@ -281,7 +281,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
 
 
 def _track(model: Any, optimizer: Any) -> None:
-    """The state the replicas compare (verifier.py): an FSDP2 model has no DDP wrapper to be seen by."""
+    """The state the replicas compare (verify/verifier.py): an FSDP2 model has no DDP wrapper to be seen by."""
     from . import buffers, tracked
 
     rt = api._get_runtime()

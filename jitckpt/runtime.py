@@ -125,7 +125,7 @@ class Runtime:
         self.reporter = for_worker(self.cfg)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)
         if self.cfg.root is not None and not contract.TIMEOUT_FIXED.get() and not contract.MIGRATABLE.get():
-            from .collective_waits import open_waits
+            from .hang.waits import open_waits
 
             self.waits = open_waits(self.cfg.root, self.cfg.rank, self.cfg.attempt, contract.hang_rule())
         self.report("started", pid=os.getpid(), restart_count=self.cfg.restart_count, attempt=self.cfg.attempt,
@@ -150,7 +150,7 @@ class Runtime:
     def _check_same_state(self) -> None:
         """Before the first training step: every rank loaded the same step, or
         the job stops here (exit EXIT_DIVERGED, which jitrun never restarts)."""
-        from .consistency import StateDivergence, StateTampered, check_loaded
+        from .verify.consistency import StateDivergence, StateTampered, check_loaded
 
         try:
             loaded = check_loaded(self.reporter._store, self.cfg.token, self.cfg.attempt, self.cfg.rank,
@@ -163,7 +163,7 @@ class Runtime:
             self.report("state_divergence", error=str(e))
             print(f"[jitckpt] rank {self.cfg.rank}: REFUSING TO TRAIN: {e}", file=sys.stderr, flush=True)
             os._exit(_config.EXIT_DIVERGED)
-        # the replicas' states agree (verifier.py), or the job stops here too
+        # the replicas' states agree (verify/verifier.py), or the job stops here too
         fp = self.verifier.at_start(loaded) if self.verifier is not None else None
         # also when nothing was asked: the recovery timeline's "training started"
         self.report("loaded", loaded=self.loaded, ranks_asked=sum(v is not None for v in loaded.values()),

@@ -4,7 +4,7 @@ The runtime learns them without the user's help: every DDP model (hooks.py
 wraps ``DistributedDataParallel.__init__``), every ``torch.optim.Optimizer``
 (its ``__init__`` is wrapped at install time) and what ``jitckpt.resumable``
 is handed (an FSDP2 model has no DDP wrapper). Weak references only: tracking
-never keeps a model alive. The state fingerprint (fingerprint.py) walks them
+never keeps a model alive. The state fingerprint (verify/fingerprint.py) walks them
 in this order, the same on every replica.
 """
 

@@ -146,7 +146,7 @@ def _add_jit_options(g) -> None:
 
 
 def _timeout_arg(raw: str) -> tuple[float, bool]:
-    from jitckpt.hang_bound import parse_timeout
+    from jitckpt.hang.bound import parse_timeout
 
     try:
         return parse_timeout(raw)

@@ -16,7 +16,7 @@ replica_fetch_fallback (peer transfer; the last: why a source's bytes went
 through the store instead of the direct stream), loaded (the step a
 rank actually loaded, and the state digest its replicas verified:
 ``fingerprint``), state_divergence, spare_waiting. The replicas' state checks
-(jitckpt/verifier.py): state_mismatch (replicas hold different states: after a
+(jitckpt/verify/verifier.py): state_mismatch (replicas hold different states: after a
 restore, refused; during training, rolled back), sdc_suspect (the rank outside
 the majority), state_repaired (taken from the majority in place), verify_off
 (replicas that differ by nature: checks off for the job). preempted: SIGTERM

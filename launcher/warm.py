@@ -35,7 +35,7 @@ import sys
 # _server_bind first: the server dies with the agent from then on (jitckpt/parent_death.py)
 PRELOAD = ["jitckpt._server_bind", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "jitckpt._bootstrap", "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.layout", "jitckpt.report",
-           "jitckpt.consistency"]
+           "jitckpt.verify.consistency"]
 
 
 _server_env: dict[str, str] | None = None

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the replicas' state checks cost (jitckpt/fingerprint.py, jitckpt/verifier.py).
+"""What the replicas' state checks cost (jitckpt/verify/fingerprint.py, jitckpt/verify/verifier.py).
 
 1. Fingerprint throughput, in this process on the CPU: the state fingerprint of ``--fp-mib`` MiB held
    as one tensor and as 1 MiB tensors, and of the demo LM's parameters and AdamW state (many small
@@ -46,7 +46,7 @@ METRICS = ("step_s", "step_median_s", "cpu_per_step_s")
 
 
 def _time_fp(items: list, repeats: int) -> float:
-    from jitckpt.fingerprint import compute
+    from jitckpt.verify.fingerprint import compute
 
     compute(items)  # first call: the weight vector is made once per device
     times = []
@@ -62,7 +62,7 @@ def demo_state(train_args: list[str]) -> list:
     import torch
     from demo_train import TinyLM
 
-    from jitckpt.fingerprint import state_items
+    from jitckpt.verify.fingerprint import state_items
 
     ap = argparse.ArgumentParser()
     for flag, default in (("--vocab", 256), ("--d-model", 64), ("--layers", 2), ("--seq", 32)):

@@ -251,7 +251,7 @@ def reference(tmp_path_factory):
 
 def assert_verified_fingerprint(rec: dict) -> None:
     """A ``recovery`` record carries the state digest (per shard) the replicas verified against
-    each other after the restore, before the first training step (jitckpt/verifier.py)."""
+    each other after the restore, before the first training step (jitckpt/verify/verifier.py)."""
     fp = rec.get("fingerprint")
     assert isinstance(fp, dict) and fp, f"recovery record without a verified state fingerprint: {rec}"
     assert all(isinstance(v, str) and len(v) == 32 and int(v, 16) >= 0 for v in fp.values()), rec

@@ -23,7 +23,7 @@ import torch.nn as nn
 from conftest import Job, _run_wide_dir, assert_same_state, run_reference, run_tree
 
 from jitckpt import buffers
-from jitckpt.fingerprint import compute, state_items
+from jitckpt.verify.fingerprint import compute, state_items
 
 BN_TRAIN = Path(__file__).with_name("bn_train.py")
 EPOCHS = 3  # 4 optimizer steps per epoch on 2 ranks

@@ -1,5 +1,5 @@
 """Unit tests of the job-wide pieces: the restore decision (jitrun.decide),
-the loaded-state consistency check (jitckpt.consistency), replica transfer
+the loaded-state consistency check (jitckpt.verify.consistency), replica transfer
 through a real TCPStore (jitrun.transfer) and derived network settings."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from jitckpt import contract, layout
-from jitckpt.consistency import FRESH, StateDivergence, check_loaded
+from jitckpt.verify.consistency import FRESH, StateDivergence, check_loaded
 from jitrun import decide, netconf, transfer
 
 

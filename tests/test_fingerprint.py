@@ -1,4 +1,4 @@
-"""Unit tests for jitckpt.fingerprint: the state fingerprint the replicas compare."""
+"""Unit tests for jitckpt.verify.fingerprint: the state fingerprint the replicas compare."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from jitckpt import fingerprint as fpm
-from jitckpt.fingerprint import compute, state_items, tensor_sum
+from jitckpt.verify import fingerprint as fpm
+from jitckpt.verify.fingerprint import compute, state_items, tensor_sum
 
 MASK = (1 << 64) - 1
 
@@ -122,7 +122,7 @@ _CHILD = """
 import torch, sys
 sys.path.insert(0, {tests!r})
 from test_fingerprint import _model_and_adam
-from jitckpt.fingerprint import compute, state_items
+from jitckpt.verify.fingerprint import compute, state_items
 m, opt = _model_and_adam(7)  # trained with the default threads, as in the parent: the same state
 torch.set_num_threads({threads})
 big = torch.randn(3_000_000, generator=torch.Generator().manual_seed(9))
@@ -151,7 +151,7 @@ def test_deterministic_across_processes_and_thread_counts():
 _ZERO = """
 import os, sys, torch, torch.distributed as dist
 from jitckpt import tracked
-from jitckpt.fingerprint import compute, state_items
+from jitckpt.verify.fingerprint import compute, state_items
 rank = int(sys.argv[1])
 tracked.track_optimizers()
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)

@@ -178,7 +178,9 @@ def test_full_jit_dir_at_the_save_stops_cleanly_and_the_last_checkpoint_restores
 _PIECES = """\
 import errno, json, os, sys, torch
 from pathlib import Path
-from jitckpt import collective_waits, contract, rank_status, save_space
+from jitckpt import contract, save_space
+from jitckpt.hang import waits as collective_waits
+from jitckpt.hang import status as rank_status
 from jitrun.events import EventLog, load
 root = Path(sys.argv[1])
 

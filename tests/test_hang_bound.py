@@ -1,5 +1,5 @@
-"""The hang bound's rule (jitckpt/hang_bound.py), the status record the agent
-reads (jitckpt/rank_status.py) and the agent's verdict on a suspicion
+"""The hang bound's rule (jitckpt/hang/bound.py), the status record the agent
+reads (jitckpt/hang/status.py) and the agent's verdict on a suspicion
 (launcher/recovery/hang.py assess): pure parts, fed numbers."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from jitckpt import contract
-from jitckpt.hang_bound import FLOOR_S, MULT, STARTUP_S, HangBound, Rule, parse_timeout, quantile
-from jitckpt.rank_status import StatusReader, StatusWriter
+from jitckpt.hang.bound import FLOOR_S, MULT, STARTUP_S, HangBound, Rule, parse_timeout, quantile
+from jitckpt.hang.status import StatusReader, StatusWriter
 from jitrun.recovery.hang import Facts, assess
 
 
@@ -116,7 +116,7 @@ def _st(tmp_path, rank: int, *, seq: int, waiting: float = 0.0, bound: float = 1
     w.wait_since = now - waiting if waiting else 0.0
     w.delay_until = now + delay if delay else 0.0
     w.flush()
-    from jitckpt.rank_status import _BEAT, _BEAT_AT
+    from jitckpt.hang.status import _BEAT, _BEAT_AT
 
     _BEAT.pack_into(w._m, _BEAT_AT, now - beat_age)
     return StatusReader(tmp_path, rank).read()
@@ -165,7 +165,7 @@ def test_verdicts(tmp_path):
 
 
 def test_waits_publish_the_wait_and_the_announced_delay(tmp_path):
-    from jitckpt.collective_waits import Waits
+    from jitckpt.hang.waits import Waits
 
     w = Waits(tmp_path, 0, attempt=0, rule=Rule(startup_s=4.0))
     r = StatusReader(tmp_path, 0)

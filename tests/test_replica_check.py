@@ -1,4 +1,4 @@
-"""The replicas' comparison through a real TCPStore (jitckpt.replica_check), one thread per rank,
+"""The replicas' comparison through a real TCPStore (jitckpt.verify.replica_check), one thread per rank,
 and what the launcher makes of the verified digests (the recovery record's ``fingerprint``)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from jitckpt import auth, replica_check
-from jitckpt.fingerprint import compute
+from jitckpt import auth
+from jitckpt.verify import replica_check
+from jitckpt.verify.fingerprint import compute
 from jitrun.recovery.episode import Failure
 from jitrun.recovery.record import recovery_record, verified_fingerprint
 from jitrun.recovery.reports import ReportBook

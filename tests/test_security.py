@@ -25,9 +25,10 @@ import pytest
 import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
 
-from jitckpt import auth, consistency, contract, layout, migrate_worker
+from jitckpt import auth, contract, layout, migrate_worker
 from jitckpt.ec import files as ec_files
 from jitckpt.report import Reporter, ReportReader
+from jitckpt.verify import consistency
 from jitrun import decide, migrate, migrate_agent, stream, transfer
 from jitrun.events import EventLog
 

@@ -1,4 +1,4 @@
-"""Replicas that prove themselves, end to end (jitckpt/verifier.py): real DDP over gloo under
+"""Replicas that prove themselves, end to end (jitckpt/verify/verifier.py): real DDP over gloo under
 jitrun, three data-parallel ranks (two where said), compared bit for bit with a failure-free
 plain-torchrun run.
 

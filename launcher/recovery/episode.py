@@ -225,7 +225,7 @@ def failed_ranks(f: Failure | None, exited: dict[int, int]) -> list[int]:
     """This node's ranks that failed (not the ones that saved and exited 75)."""
     killed, saved = (set(f.killed), set(f.saved)) if f else (set(), set())
     failed = ({r for r, c in exited.items() if c not in (0, EXIT_SAVED)} | killed) - saved
-    # a replica whose state differed from the majority's (jitckpt/verifier.py) saved the verified
+    # a replica whose state differed from the majority's (jitckpt/verify/verifier.py) saved the verified
     # state like the others, but its device is suspect: the scheduler hook sees it as failed
     return sorted(failed | sdc_suspects(f, exited))
 

@@ -1,8 +1,8 @@
 """A hang, confirmed before anything is torn down.
 
-Every rank publishes a status record (jitckpt/rank_status.py): whether it
+Every rank publishes a status record (jitckpt/hang/status.py): whether it
 waits in a collective, since when, the collective's sequence number, the hang
-bound it learned from its own timing (jitckpt/hang_bound.py), and its watcher
+bound it learned from its own timing (jitckpt/hang/bound.py), and its watcher
 thread's heartbeat. The agent reads this node's records every tick (a few
 memory reads, no store traffic). A rank waiting past its bound is only a
 suspicion; the agent then looks at the ranks where they live:
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jitckpt import contract
-from jitckpt.hang_bound import FLOOR_S
-from jitckpt.rank_status import Status, StatusReader
+from jitckpt.hang.bound import FLOOR_S
+from jitckpt.hang.status import Status, StatusReader
 
 from ..workers import has_runnable_thread, run_state
 

@@ -45,7 +45,7 @@ def recovery_record(f: Failure, book: ReportBook, resumed_t: float) -> dict:
 
 
 def verified_fingerprint(book: ReportBook) -> dict[str, str] | None:
-    """Shard -> the state digest its replicas verified before the first step (jitckpt/verifier.py);
+    """Shard -> the state digest its replicas verified before the first step (jitckpt/verify/verifier.py);
     None when a rank reported none (checks off for the job, or a report lost)."""
     if not book.fingerprint or any(not isinstance(v, str) for v in book.fingerprint.values()):
         return None

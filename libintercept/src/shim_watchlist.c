@@ -6,7 +6,7 @@
  *  - application events recorded on an NCCL stream that another stream waits
  *    on (cudaStreamWaitEvent; Fig. 3), timed from that wait;
  *  - the hang timeout: max(floor, mult x the longest collective seen), the
- *    rule of jitckpt/hang_bound.py, capped by JITCKPT_TIMEOUT (the ceiling);
+ *    rule of jitckpt/hang/bound.py, capped by JITCKPT_TIMEOUT (the ceiling);
  *    with JITCKPT_TIMEOUT_FIXED=1, JITCKPT_TIMEOUT itself. The floor defaults
  *    to 30 s, not the Python path's 1 s: this watchdog acts on its own, with
  *    no liveness check by the agent before it.

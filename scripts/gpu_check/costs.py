@@ -72,7 +72,7 @@ def call_cost(ctx: Ctx) -> dict[str, Any]:
 
 FINGERPRINT = r"""
 import json, statistics, sys, time, torch
-from jitckpt.fingerprint import compute
+from jitckpt.verify.fingerprint import compute
 dev, mib = sys.argv[1], int(sys.argv[2])
 one = [("w", torch.randn(mib << 18, device=dev))]
 many = [(f"w{i}", torch.randn(1 << 20, device=dev)) for i in range(mib // 4)]
@@ -89,7 +89,7 @@ print(json.dumps({"device": dev, "mib": mib, "one_tensor_s_per_gib": timed(one) 
 
 
 def fingerprint(ctx: Ctx) -> dict[str, Any]:
-    """The replicas' state fingerprint (jitckpt/fingerprint.py), seconds per GiB, where the state lives."""
+    """The replicas' state fingerprint (jitckpt/verify/fingerprint.py), seconds per GiB, where the state lives."""
     dev, mib = ("cuda", 1024) if ctx.device else ("cpu", 16)
     r = run([ctx.py, "-c", FINGERPRINT, dev, str(mib)], env=ctx.env(), timeout=ctx.t(180), cwd=ROOT)
     if r.rc != 0:

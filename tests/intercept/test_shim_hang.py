@@ -186,7 +186,7 @@ def test_adaptive_timeout_follows_longest_collective(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["ceiling", "fixed"])
 def test_timeout_is_a_ceiling_unless_fixed(tmp_path: Path, fixed: bool) -> None:
-    """The rule jitrun sets (jitckpt/hang_bound.py, docs/hangs.md):
+    """The rule jitrun sets (jitckpt/hang/bound.py, docs/hangs.md):
     JITCKPT_TIMEOUT caps the adaptive timeout max(floor, MULT x longest);
     with JITCKPT_TIMEOUT_FIXED=1 it is the timeout itself."""
     ceiling = 6.0

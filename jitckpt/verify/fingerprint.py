@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import tracked
+from .. import tracked
 
 CHUNK = 1 << 21  # words per weighted sum: bounds the temporary to 16 MiB
 _MASK = (1 << 64) - 1
@@ -137,7 +137,7 @@ def _buffer_items(model: Any, captured: bool) -> list[tuple[str, Any]] | None:
         return None
     if not getattr(model, "broadcast_buffers", False):
         return []
-    from . import buffers
+    from .. import buffers
 
     mirror = buffers.for_model(model)
     if mirror is None or not captured:

@@ -5,8 +5,8 @@ training runs: an explicit collective, DDP's forward (its buffer broadcast),
 the backward pass (DDP's gradient all-reduces), ``Work.wait``. Each
 outermost such region counts one collective (``seq``: every rank enters the
 same sequence of them) and its duration feeds the hang bound
-(hang_bound.py), with each minibatch's duration. The record the agent reads
-(rank_status.py) says whether the rank waits, since when, and under which
+(hang/bound.py), with each minibatch's duration. The record the agent reads
+(hang/status.py) says whether the rank waits, since when, and under which
 bound; the agent does the rest (launcher/recovery/hang.py).
 
 Main thread, except ``beat`` (the watcher thread).
@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .hang_bound import HangBound, Rule
-from .rank_status import StatusWriter
+from .bound import HangBound, Rule
+from .status import StatusWriter
 
 WORLD = "world"
 REFRESH_EVERY = 10  # minibatches between recomputations of the bound, once it settled

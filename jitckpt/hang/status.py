@@ -10,7 +10,7 @@ Fields: the rank's PID and attempt (a record of an earlier attempt is not
 this one's); ``seq``, the collectives the rank entered; ``steps``, its
 minibatches done; ``wait_since``, when its current outermost collective wait
 began (0: not waiting); ``bound_s``, the hang bound it learned
-(jitckpt/hang_bound.py); ``delay_until``, the end of a delay the script
+(jitckpt/hang/bound.py); ``delay_until``, the end of a delay the script
 announced (``jitckpt.expect_delay``); ``heartbeat``, the watcher thread's last
 beat (0: none yet): a rank that holds the GIL and never lets go stops beating.
 

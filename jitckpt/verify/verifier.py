@@ -2,7 +2,7 @@
 
 * **At the start** (after whatever restore this attempt did: a JIT replica,
   an EC decode, an older fallback, or none), before the first training step,
-  the replicas compare state fingerprints (fingerprint.py, replica_check.py).
+  the replicas compare state fingerprints (verify/fingerprint.py, verify/replica_check.py).
   A mismatch after a restore stops the job before a step is taken
   (``state_mismatch``, exit EXIT_DIVERGED, which jitrun never restarts),
   naming the ranks and the first differing tensor. The verified digest goes
@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from . import auth, contract, layout, replica_check, tracked
-from . import config as _config
+from .. import auth, contract, layout, tracked
+from .. import config as _config
+from ..runtime import Phase, Runtime
+from . import replica_check
 from .fingerprint import Fingerprint, compute, state_items, tensors_by_name, words
-from .runtime import Phase, Runtime
 
 REPAIR_MAX_BYTES = 8 << 20  # a tensor sent through the store for a repair in place (records are <= 16 MiB)
 FLAG = auth.Schema({"why": str})
@@ -282,7 +283,7 @@ class Verifier:
 
     def _stage(self, step: int, collective: bool) -> None:
         """The save_fn into host memory (this job's tmpfs directory), replacing the last one."""
-        from .ec import files as ec_files
+        from ..ec import files as ec_files
 
         rt = self.rt
         base = ec_files.private_root(rt.cfg.job_id) / "verified"
@@ -335,7 +336,7 @@ class Verifier:
         def copy_staged(d: str) -> None:
             shutil.copytree(src, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(layout.MANIFEST))
 
-        from .ec import files as ec_files
+        from ..ec import files as ec_files
 
         try:  # EC snapshots taken since may be of the corrupted state: the restart must not prefer them
             ec_files.drop_versions_after(rt.cfg.job_id, good)

@@ -1,6 +1,6 @@
 """Do the data-parallel replicas hold the same state? Compared through the job's store.
 
-Every rank posts its state fingerprint's digest (fingerprint.py) and the shard
+Every rank posts its state fingerprint's digest (verify/fingerprint.py) and the shard
 it holds, sealed under the job token, at a key named for the check (its
 attempt and label, e.g. the step), and waits for every rank's post. Ranks
 with equal shards are replicas and must agree. Only when some do not, every
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from . import auth
+from .. import auth
 from .fingerprint import Fingerprint
 
 POST = auth.Schema({"shard": str, "digest": str})
