@@ -8,7 +8,7 @@ Example::
 ``--from-events PATH`` takes o, r and m from a run's ``events.jsonl``; explicit
 flags override them. Exit status: 0 on success, 2 on bad input.
 
-The EC tier (formulas in ``jitckpt.model``): ``--correlated-fraction P``
+The EC tier (formulas in ``jitrun.cost_model``): ``--correlated-fraction P``
 (failures that take every replica of a shard, so no JIT checkpoint is possible) adds
 "JIT + periodic backstop" (persistent checkpoints at their optimal rate for those
 failures); ``--ec-every N`` with ``--ec-snapshot-seconds S`` (or ``--ec-overhead``)
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from jitckpt import model
+from . import cost_model as model
 
 PROG = "jitrun plan"
 
@@ -187,7 +187,7 @@ def _ec_options(args: argparse.Namespace, minibatch_seconds: float) -> tuple[dic
 
 
 def ec_columns(params: model.CostParams, n: int, ec: dict) -> dict[str, float | int | None]:
-    """The EC tier's entries of one row (fractions; see jitckpt.model for the formulas)."""
+    """The EC tier's entries of one row (fractions; see jitrun.cost_model for the formulas)."""
     p, q, every, snap = ec["p"], ec["q"], ec["every"], ec["snap"]
     nf = n * params.failure_rate
     row: dict[str, float | int | None] = {

@@ -1,4 +1,4 @@
-"""Tests for jitckpt.model: hand-computed values and the paper's Table 8 (§6.5).
+"""Tests for jitrun.cost_model: hand-computed values and the paper's Table 8 (§6.5).
 
 Paper parameters (JIT-checkpointing, EuroSys'24):
   f = 2e-3 failures per GPU per day (§6.5, from OPT's 2 failures/day on 992 GPUs).
@@ -24,7 +24,7 @@ import math
 
 import pytest
 
-from jitckpt import model
+from jitrun import cost_model as model
 
 F_DAY = 2e-3
 F = F_DAY / 86400.0  # failures per GPU per second = 2.3148e-8

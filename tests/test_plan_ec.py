@@ -1,4 +1,4 @@
-"""`jitrun plan` learns the EC tier: the cost model's EC functions (jitckpt.model) and the plan's
+"""`jitrun plan` learns the EC tier: the cost model's EC functions (jitrun.cost_model) and the plan's
 EC columns (jitrun.plan)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from jitckpt import model
+from jitrun import cost_model as model
 from jitrun import plan
 
 F = model.failures_per_gpu_second(2e-3)
