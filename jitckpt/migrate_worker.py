@@ -287,7 +287,7 @@ def pause(ctl_dir: str | os.PathLike, gen: int, rank: int, world_size: int, *, s
     return resume, store
 
 
-# -- store-driven migration (jitrun migrate; protocol in jitrun.migrate) -------------------
+# -- store-driven migration (jitrun migrate; protocol in jitrun.migration.control) -------------------
 
 
 def _key(token: str, *parts: object) -> str:
@@ -444,7 +444,7 @@ def _wait_resume_file(ctl: Path, gen: int, timeout: float | None, stop: Callable
 
 
 def migration_point(rt: Any) -> None:
-    """jitrun migrate (launcher/migrate.py): at a minibatch start nothing is in flight,
+    """jitrun migrate (launcher/migration/control.py): at a minibatch start nothing is in flight,
     so the process groups can go, the moving ranks be dumped and restored elsewhere
     and every rank rebuild. A migration that fails turns into a JIT save here (the
     caller's deferred-save check runs next), so the restart loses nothing."""

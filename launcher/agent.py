@@ -32,11 +32,12 @@ from jitckpt.error_file import State
 from jitckpt.report import JOB, Reporter, ReportReader, connect
 from jitckpt.torch_compat import elastic
 
-from . import error_files, migrate, rdzv, warm
+from . import error_files, rdzv, warm
 from . import worker_env as jit_env
 from .devices import describe, scheduler
 from .devices.watch import DeviceWatch
 from .events import EventLog
+from .migration import control as migrate
 from .migration.inbound import start_target
 from .migration.outbound import move_out
 from .options import JitOptions, this_node

@@ -138,7 +138,7 @@ def _add_jit_options(g) -> None:
                         "and optimizer state; on a mismatch the job rolls back to the last verified state (at "
                         f"most N minibatches redone) and names the odd replica (default {DEFAULT_VERIFY_EVERY}; "
                         "0 = off; the check after every restore, before the first step, is always on)")
-    g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migrate.py
+    g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migration/control.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
                         "so CRIU can move it to another node (jitrun migrate) and, with the shim preloaded, "
                         "move a rank whose device died to a spare device (scheduler hook: device_lost); "
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ec_clean.main(argv[1:])
     if argv[:1] == ["migrate"]:
-        from . import migrate
+        from .migration import control as migrate
 
         return migrate.main(argv[1:])
     args = _parser().parse_args(argv)
@@ -482,8 +482,8 @@ def _entrypoint(args, config, cmd, cmd_args: list, root: Path, intercept: bool) 
         import jitckpt
 
         worker_env.python_path(str(Path(jitckpt.__file__).resolve().parent / "_autoload"))
-    if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migrate.py
-        from . import migrate
+    if migratable and isinstance(cmd, str) and not args.run_path:  # launcher/migration/control.py
+        from .migration import control as migrate
 
         worker_env.migratable(no_pause=bool(args.no_python))
         cmd, cmd_args = migrate.wrap(cmd, cmd_args)

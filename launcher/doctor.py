@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jitckpt import contract
 
-from . import criu
+from .migration import criu
 
 _REPO = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from jitckpt import layout
 from jitckpt.torch_compat import elastic
 
-from .migrate_agent import Remote
+from .migration.agents import Remote
 
 
 @dataclass

@@ -119,7 +119,7 @@ def main() -> int:
     import torch.distributed as dist
     from test_migrate_mechanism import WORKER, _free_port
 
-    from jitrun import criu
+    from jitrun.migration import criu
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored rank becomes ours
     tmp = Path(tempfile.mkdtemp(prefix="jitckpt-bench-migrate-"))

@@ -438,7 +438,7 @@ def _restore_fetch(port: int, token: str, src_root: Path, source: dict, dst: Pat
     both counted; ``listen``: the requester's address for the direct stream (None:
     the store path)."""
     from jitckpt import layout
-    from jitrun import transfer
+    from jitrun.peers import transfer
 
     tally = Tally()
     serving, fetching = client(port, tally, "decide"), client(port, tally, "decide")

@@ -271,7 +271,7 @@ def assert_same_state(a: Path, b: Path) -> None:
 def criu_bin() -> str:
     """A working criu, built once per machine when missing (scripts/build_criu.sh);
     skips with the reason when there is none (not root, kernel without support)."""
-    from jitrun import criu
+    from jitrun.migration import criu
 
     if os.geteuid() != 0:
         pytest.skip("CRIU needs root")

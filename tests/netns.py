@@ -230,7 +230,7 @@ class Cluster:
 # node, waits for the copied images, restores them as the child subreaper, waits for the worker.
 CRIU_RESTORE_ON_NODE = textwrap.dedent('''
     import ctypes, os, sys, time
-    from jitrun import criu
+    from jitrun.migration import criu
     images = sys.argv[1]
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # child subreaper: the restored tree becomes ours
     while not os.path.exists(os.path.join(images, "copied")):
@@ -259,7 +259,7 @@ def wait_for_line(proc: Proc, word: str, timeout: float) -> str:
 
 class MigratableProcs:
     """Processes a CRIU test started on this host, each PID 1 of its own PID
-    namespace (jitrun.criu.migratable_command), plus any it restored (append
+    namespace (jitrun.migration.criu.migratable_command), plus any it restored (append
     to ``pids``); all killed and reaped by :meth:`cleanup`."""
 
     def __init__(self) -> None:
@@ -269,7 +269,7 @@ class MigratableProcs:
     def start(self, cmd: list[str], output: Path | None = None, env: dict | None = None
               ) -> tuple[subprocess.Popen, int]:
         """``output``: a file only the worker writes (a restore checks its size)."""
-        from jitrun import criu
+        from jitrun.migration import criu
 
         p = subprocess.Popen(criu.migratable_command(cmd, output=output), stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -1,6 +1,6 @@
 """CRIU dump/restore of real processes (the foundation under migration).
 
-Each worker runs as PID 1 of its own PID namespace (jitrun.criu.migratable_command),
+Each worker runs as PID 1 of its own PID namespace (jitrun.migration.criu.migratable_command),
 is dumped (killing it), restored, and must continue its deterministic sequence bit
 for bit: a pure-Python worker holding an established TCP connection, and a torch
 CPU worker doing matmuls. Also: corrupt images are refused before criu runs, a
@@ -27,7 +27,7 @@ import pytest
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 from jitckpt import contract
-from jitrun import criu
+from jitrun.migration import criu
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 150  # 20 ms each: the dump must land mid-run even on a loaded machine
@@ -269,7 +269,7 @@ def test_missing_criu_says_how_to_get_it(monkeypatch, tmp_path):
 # Runs on a node: start the worker, dump it into the node's private dir, wait.
 NODE_DUMP = textwrap.dedent('''
     import os, subprocess, sys, time
-    from jitrun import criu
+    from jitrun.migration import criu
     worker, out, images = sys.argv[1:4]
     p = subprocess.Popen(criu.migratable_command([sys.executable, worker, out, "{steps}"]),
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
 """Unit tests of the job-wide pieces: the restore decision (jitrun.decide),
 the loaded-state consistency check (jitckpt.verify.consistency), replica transfer
-through a real TCPStore (jitrun.transfer) and derived network settings."""
+through a real TCPStore (jitrun.peers.transfer) and derived network settings."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from jitckpt import contract, layout
 from jitckpt.verify.consistency import FRESH, StateDivergence, check_loaded
-from jitrun import decide, netconf, transfer
+from jitrun import decide, netconf
+from jitrun.peers import transfer
 
 
 def inv(node: str, *reps: tuple[int, str, int]) -> dict:

@@ -14,7 +14,8 @@ import pytest
 from netns import Cluster
 
 from jitckpt import contract
-from jitrun import criu, doctor
+from jitrun import doctor
+from jitrun.migration import criu
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -79,8 +79,8 @@ def test_self_sigkill_of_a_pid1_worker_is_ignored(tmp_path):
     rule), so JITCKPT_FAULT's kind=sigkill/sigstop do nothing to a migratable worker."""
     code = "import os,signal; os.kill(os.getpid(), signal.SIGKILL); print('alive', flush=True)"
     out = tmp_path / "out.log"
-    rc = subprocess.run([sys.executable, "-m", "jitrun.criu", "exec", str(out), "--", sys.executable, "-c", code],
-                        timeout=60).returncode
+    rc = subprocess.run([sys.executable, "-m", "jitrun.migration.criu", "exec", str(out), "--", sys.executable,
+                         "-c", code], timeout=60).returncode
     assert rc == 0 and out.read_text().strip() == "alive"
 
 
@@ -88,8 +88,8 @@ def test_wrapper_forwards_signals_and_exit_status(tmp_path):
     code = "import os,signal,time; signal.signal(signal.SIGTERM, lambda s,f: os._exit(7)); " \
            "print(os.getpid(), os.readlink('/proc/self'), flush=True); time.sleep(60)"
     out = tmp_path / "out-{RANK}.log"
-    p = subprocess.Popen([sys.executable, "-m", "jitrun.criu", "exec", str(out), "--", sys.executable, "-c", code],
-                         env={**os.environ, "RANK": "5"}, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-m", "jitrun.migration.criu", "exec", str(out), "--", sys.executable,
+                          "-c", code], env={**os.environ, "RANK": "5"}, start_new_session=True)
     try:
         log = tmp_path / "out-5.log"
         deadline = time.monotonic() + 30

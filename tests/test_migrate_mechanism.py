@@ -27,7 +27,7 @@ import pytest
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
 from jitckpt import auth, contract
-from jitrun import criu
+from jitrun.migration import criu
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 30
@@ -57,7 +57,7 @@ WORKER = textwrap.dedent('''
     ddp = os.environ.get("MIG_DDP") == "1"  # the model under DDP (its reducer holds the group)
     fwd = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     gen = 0
-    token = os.environ.get("MIG_TOKEN")  # store-driven: jitrun.migrate.request from outside
+    token = os.environ.get("MIG_TOKEN")  # store-driven: jitrun.migration.control.request from outside
     watch = mw.Watch(stores[0], token) if token else None
     for step in range(steps):
         if watch is not None:  # the runtime's minibatch start
@@ -221,7 +221,7 @@ NODE_STORE = textwrap.dedent('''
 # On the source node: start the worker migratable, dump it once it has paused, keep the images.
 NODE_DUMP = textwrap.dedent('''
     import os, subprocess, sys, time
-    from jitrun import criu
+    from jitrun.migration import criu
     paused, images, log, *cmd = sys.argv[1:]
     p = subprocess.Popen(criu.migratable_command(cmd, output=log), stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -328,7 +328,7 @@ def test_destroyed_but_kept_group_still_holds_sockets_until_teardown(tmp_path):
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["allreduce", "ddp"])
 def test_store_request_pauses_every_rank_at_its_next_minibatch_start(criu_bin, local, subreaper, tmp_path, ddp):
-    """The `jitrun migrate` protocol (jitrun.migrate.request through the job's store):
+    """The `jitrun migrate` protocol (jitrun.migration.control.request through the job's store):
     each rank sees the request at a minibatch start (migrate_worker.Watch, one store
     add per minibatch); the peer tears its group down and keeps its store client,
     the moving rank closes its store client too, is dumped and restored, and all
@@ -336,7 +336,7 @@ def test_store_request_pauses_every_rank_at_its_next_minibatch_start(criu_bin, l
     pytest.importorskip("torch")
     import torch.distributed as dist
 
-    from jitrun import migrate
+    from jitrun.migration import control as migrate
 
     ref, ref_ctl = _reference(tmp_path, local, env={"MIG_DDP": str(int(ddp))})
     port = _free_port()
@@ -395,7 +395,7 @@ def test_every_rank_pauses_at_the_same_minibatch_start_whenever_it_saw_the_reque
     import torch.distributed as dist
 
     from jitckpt import migrate_worker as mw
-    from jitrun import migrate
+    from jitrun.migration import control as migrate
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     w0, w1, w2 = (mw.Watch(server, "tok") for _ in range(3))

@@ -24,7 +24,7 @@ from conftest import assert_same_state, assert_verified_fingerprint
 from netns import Cluster, Proc
 from test_multinode import Job, mn_reference  # noqa: F401  (the fixture)
 
-from jitrun import criu
+from jitrun.migration import criu
 
 WHY = Cluster.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]

@@ -1,4 +1,4 @@
-"""The restore path's replica fetch (launcher/transfer.py ``ensure_local``, the function
+"""The restore path's replica fetch (launcher/peers/transfer.py ``ensure_local``, the function
 the agent calls) over the direct stream between agents, and its fallback to the store:
 real ``ReplicaServer`` threads and a real TCPStore, every copy checked against the
 manifest whose checksum the decision carries. Across network namespaces too: a source
@@ -22,7 +22,7 @@ from netns import Cluster, wait_for_line
 from test_security import outside, tree
 
 from jitckpt import auth, contract, layout
-from jitrun import stream, transfer
+from jitrun.peers import stream, transfer
 
 TOKEN = "replica-fetch-token-0123456789"
 PAYLOAD = bytes(range(256)) * 70000  # ~17 MiB: several socket buffers and store chunks
@@ -294,7 +294,7 @@ SOURCE_NODE = textwrap.dedent('''
     import torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
     from test_replica_fetch import TOKEN, _replica
-    from jitrun import transfer
+    from jitrun.peers import transfer
     addr, port, root = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     src = {"node_id": "A", **_replica(root, 8, 0)}
@@ -312,7 +312,7 @@ REQUESTER_NODE = textwrap.dedent('''
     import torch.distributed as dist
     sys.path.insert(0, sys.argv[5])
     from test_replica_fetch import PAYLOAD, TOKEN, _Events
-    from jitrun import transfer
+    from jitrun.peers import transfer
     addr, port, root, src = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
     store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
     for where, listen in (("own", sys.argv[6]), ("loopback", "127.0.0.1")):

@@ -29,8 +29,11 @@ from jitckpt import auth, contract, layout, migrate_worker
 from jitckpt.ec import files as ec_files
 from jitckpt.report import Reporter, ReportReader
 from jitckpt.verify import consistency
-from jitrun import decide, migrate, migrate_agent, stream, transfer
+from jitrun import decide
 from jitrun.events import EventLog
+from jitrun.migration import agents as migrate_agent
+from jitrun.migration import control as migrate
+from jitrun.peers import stream, transfer
 
 TOKEN = "sec-test-token-0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""The direct image stream between agents (launcher/transfer.py send_stream / recv_stream):
+"""The direct image stream between agents (launcher/peers/transfer.py send_stream / recv_stream):
 what jitrun migrate moves a worker's CRIU images with."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jitrun import stream, transfer
+from jitrun.peers import stream, transfer
 
 TOKEN = "t0ken-0123456789abcdef"
 

@@ -27,8 +27,10 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from jitckpt import contract
 
-from .. import criu, migrate, migrate_agent, worker_env
-from ..migration import device_loss
+from .. import worker_env
+from ..migration import agents as migrate_agent
+from ..migration import control as migrate
+from ..migration import criu, device_loss
 from ..workers import Proc, Whereabouts
 from . import health, scheduler
 from .describe import describe

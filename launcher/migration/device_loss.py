@@ -13,7 +13,7 @@ This module is the other half, run by jitrun's agent on its main thread
 :func:`pending` finds requests; the scheduler hook is asked where the process
 goes (``device_lost``; :func:`spare_devices` lists this node's unused healthy
 devices for it); :func:`move` dumps the process with CRIU (images checksummed)
-and restores it here on a spare device (``python -m jitrun.criu restore``: the
+and restores it here on a spare device (``python -m jitrun.migration.criu restore``: the
 restored process is that helper's child and its exit status the helper's), or
 :func:`devices.watch.move_to_node` ships the images to another node's agent
 (``migrate_agent.Target``), which restores it there; either way :func:`answer`
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import criu
+from . import criu
 
 LOST = "device-lost-{rank}-{epoch}.json"
 RESUME = "device-resume-{rank}-{epoch}.json"
@@ -169,7 +169,7 @@ def move(req: Request, host_pid: int, images_dir: str | os.PathLike, new_device:
          control_dir: str | os.PathLike, *, restore_timeout: float = 60.0) -> Moved:
     """Dump the parked process (host PID ``host_pid``; the dump ends it), restore
     it from ``images_dir`` (removed afterwards: tmpfs is memory) and answer it with
-    ``new_device``. Raises :class:`jitrun.criu.CriuError` when the dump or the
+    ``new_device``. Raises :class:`jitrun.migration.criu.CriuError` when the dump or the
     restore fails: the process is then not answered (after a failed dump it still
     runs, parked: tell it with :func:`refuse`)."""
     images = Path(images_dir)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from .. import migrate, migrate_agent
+from . import agents as migrate_agent
+from . import control as migrate
 
 
 def start_target(coord, jit, node, events) -> migrate_agent.Target | None:

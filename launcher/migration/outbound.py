@@ -8,8 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import migrate, migrate_agent
 from ..workers import Whereabouts
+from . import agents as migrate_agent
+from . import control as migrate
 
 
 def move_out(migrating: dict[int, list[dict]], *, store, coord, token: str, root: Path, where: Whereabouts,

@@ -46,7 +46,7 @@ class Pulse:
     rendezvous state) is mapped to it by a sealed record, once."""
 
     def __init__(self, store, token: str, node_id: str, rdzv_node: str | None) -> None:
-        from ..transfer import own_connection
+        from ..peers.transfer import own_connection
 
         self._store = own_connection(store, 10.0)
         self._key = _key(token, node_id)

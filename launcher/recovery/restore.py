@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 from jitckpt import contract, layout
 
-from .. import decide, transfer, worker_env
+from .. import decide, worker_env
+from ..peers import transfer
 from . import alive
 from .episode import Failure
 from .reports import ReportBook

@@ -3,7 +3,7 @@
 With it every worker runs as PID 1 of a PID namespace of its own, session
 leader, with its output in a file of its own
 (``<jit dir>/migrate/out/rank<R>.a<attempt>.log``; nothing else writes there, so
-CRIU finds it at the size of the dump), through :func:`jitrun.criu.migratable_worker_command`,
+CRIU finds it at the size of the dump), through :func:`jitrun.migration.criu.migratable_worker_command`,
 which forwards the agent's stop signals. Warm start is off for such jobs: a
 worker forked from the fork server is a child of that server (not a tree CRIU
 can dump on its own) and shares no session of its own.

@@ -226,10 +226,10 @@ def _hints(log: str) -> str:
         hints.append("this CRIU lacks the kernel >= 6.16 SO_PASSCRED/SO_PASSSEC fix: " + PROVISION_HINT)
     if "Can't lookup mount" in log:
         hints.append("the task has a mount namespace of its own (unshare --mount-proc?); start it with "
-                     "jitrun.criu.migratable_command, which keeps the parent's")
+                     "jitrun.migration.criu.migratable_command, which keeps the parent's")
     if "nested pid namespace" in log:
         hints.append("that PID is the parent of a PID namespace (unshare?); dump the namespace's PID 1 "
-                     "(jitrun.criu.ns_init_pid)")
+                     "(jitrun.migration.criu.ns_init_pid)")
     if re.search(r"has bad size|has changed size|Can't open file .* on restore", log):
         hints.append("a file the process had open is missing or changed since the dump; copy it to "
                      "the same path on this node (with the images)")
@@ -420,7 +420,7 @@ _FORWARD = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIG
 
 def migratable_worker_command(cmd: Sequence[str], output_template: str) -> list[str]:
     """What jitrun runs per rank with ``--jit-migratable on``:
-    ``python -m jitrun.criu exec TEMPLATE -- cmd...``.
+    ``python -m jitrun.migration.criu exec TEMPLATE -- cmd...``.
 
     Unlike ``unshare --fork`` (which blocks SIGTERM while it waits, so torchrun's
     stop signal never reached the worker and no JIT save ran) the wrapper forwards
@@ -430,17 +430,17 @@ def migratable_worker_command(cmd: Sequence[str], output_template: str) -> list[
     (``{RANK}``, ``{TORCHELASTIC_RESTART_COUNT}``, ...): the file its output goes to."""
     import sys
 
-    return [sys.executable, "-m", "jitrun.criu", "exec", output_template, "--", *cmd]
+    return [sys.executable, "-m", "jitrun.migration.criu", "exec", output_template, "--", *cmd]
 
 
 def _exec_main(argv: list[str]) -> int:
-    """The wrapper of :func:`migratable_worker_command` (``python -m jitrun.criu exec``)."""
+    """The wrapper of :func:`migratable_worker_command` (``python -m jitrun.migration.criu exec``)."""
     import ctypes
     import signal
 
     template, sep, *cmd = argv
     if sep != "--" or not cmd:
-        raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD...")
+        raise SystemExit("usage: python -m jitrun.migration.criu exec OUTPUT_TEMPLATE -- CMD...")
     output = template.format_map({**os.environ, "PID": os.getpid()})
     from jitckpt import layout
 
@@ -506,7 +506,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 def restore_and_wait_command(images_dir: str | os.PathLike | None = None) -> list[str]:
-    """How an agent restores a migrated worker: ``python -m jitrun.criu restore IMAGES``
+    """How an agent restores a migrated worker: ``python -m jitrun.migration.criu restore IMAGES``
     restores it as this helper's child (the helper is a child subreaper), prints
     ``RESTORED <pid> <seconds>`` (or ``FAILED <why>`` and exits 3), forwards the
     agent's stop signals to it and exits as it did, like the ``exec`` wrapper does for
@@ -520,7 +520,7 @@ def restore_and_wait_command(images_dir: str | os.PathLike | None = None) -> lis
     interpreter start (~0.1 s) overlaps the transfer instead of adding to the pause."""
     import sys
 
-    return [sys.executable, "-m", "jitrun.criu", "restore", "-" if images_dir is None else str(images_dir)]
+    return [sys.executable, "-m", "jitrun.migration.criu", "restore", "-" if images_dir is None else str(images_dir)]
 
 
 def _restore_main(argv: list[str]) -> int:
@@ -562,7 +562,7 @@ if __name__ == "__main__":
         raise SystemExit(_exec_main(sys.argv[2:]))
     if len(sys.argv) == 3 and sys.argv[1] == "restore":
         raise SystemExit(_restore_main(sys.argv[2:]))
-    raise SystemExit("usage: python -m jitrun.criu exec OUTPUT_TEMPLATE -- CMD... | restore IMAGES_DIR")
+    raise SystemExit("usage: python -m jitrun.migration.criu exec OUTPUT_TEMPLATE -- CMD... | restore IMAGES_DIR")
 
 
 # Test hook of the migration paths: break a dump to prove the fallback.

@@ -2,7 +2,7 @@
 restores and watches.
 
 The path of one migration ``g`` of rank R from node A to node B (protocol keys in
-:mod:`jitrun.migrate`):
+:mod:`jitrun.migration.control`):
 
 1. R (and every peer) sees the request at its next minibatch start; R reports
    ``migrating`` to its agent, closes its store clients, tears its group down and
@@ -12,10 +12,10 @@ The path of one migration ``g`` of rank R from node A to node B (protocol keys i
    that file, marks R as moved (so R's wrapper exiting is not a failure), dumps R
    with CRIU (``--jit-dir`` tmpfs, images checksummed), and ships the images plus
    the files R holds open that live on A's private disk (its output file, at the
-   size of the dump) to B over a direct stream to B's agent (:mod:`jitrun.stream`,
+   size of the dump) to B over a direct stream to B's agent (:mod:`jitrun.peers.stream`,
    checked under the job token; the store carries only the announcement and B's port).
 3. B's agent (:class:`Target`, a thread with its own store connection) writes the
-   files at the same paths, restores R under ``python -m jitrun.criu restore``
+   files at the same paths, restores R under ``python -m jitrun.migration.criu restore``
    (a child subreaper that forwards stop signals), writes R's resume file with B's
    environment and says ``restored``.
 4. A sets the ``resume`` key once every moving rank of ``g`` is restored: every
@@ -59,9 +59,11 @@ import psutil
 
 from jitckpt import auth, contract, layout, migrate_worker
 
-from . import criu, migrate, peer_files, stream, transfer
-from .events import EventLog
-from .migration import device_loss
+from ..events import EventLog
+from ..migration import device_loss
+from ..peers import peer_files, stream, transfer
+from . import control as migrate
+from . import criu
 
 PAUSED_TIMEOUT_S = 60.0
 
