@@ -105,7 +105,7 @@ def teardown(extra_stores: list | None = None, wait_sockets: bool = True) -> dic
     import torch.distributed.distributed_c10d as c10d
 
     getattr(c10d.destroy_process_group, "__jitckpt_kept__", []).clear()
-    ec = sys.modules.get(f"{__package__}.ec_snapshot")  # EC snapshots keep a gloo group of their own
+    ec = sys.modules.get(f"{__package__}.ec.snapshot")  # EC snapshots keep a gloo group of their own
     if ec is not None:
         ec.release_group()
     if extra_stores is not None:
