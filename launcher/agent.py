@@ -295,6 +295,8 @@ class JitAgent(LocalElasticAgent):
             raise Preempted(self._preempt.name)
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
+        elif f.refused:
+            self._abort("a worker refused to train", episode.REFUSED)
         elif f.no_space is not None and not f.saved:
             # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
             self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))
