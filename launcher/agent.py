@@ -253,6 +253,10 @@ class JitAgent(LocalElasticAgent):
         self._restorer.share(self._book, self._round)
         if failed:
             return self._handle_failure(worker_group)
+        started = warm.prepare_next(self._jit.root)
+        if started:
+            self._events.emit("warm_imports", started=True, modules=len(started),
+                              packages=sorted({m.partition(".")[0] for m in started}))
         if self._book.migrating:
             move_out(self._book.migrating, store=self._worker_store(worker_group),
                      coord=coord.store if coord else None, token=self._jit.token, root=self._jit.root,
@@ -395,6 +399,9 @@ class JitAgent(LocalElasticAgent):
         self._events.emit("restart", restart_count=restart_count,
                           restore_step=f.restore_step if f else None, placement=placement.summary())
         self._failure = None
+        st = warm.use_next()
+        if st is not None:
+            self._events.emit("warm_imports", used=True, imported=st.get("imported"), seconds=st.get("seconds"))
         super()._restart_workers(worker_group)
 
     def _on_resumed(self, m: dict) -> None:

@@ -14,6 +14,12 @@ MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) plus jitrun's, applied before
 ``worker_main`` runs; everything else is the server's environment, captured
 when the job started.
 
+A restart's workers also start with what the script imported: once the first attempt's
+local rank 0 recorded its packages (jitckpt/import_record.py), the agent starts a second
+server that preloads them too (``prepare_next``, while the first attempt trains), and forks
+the next attempt's workers from it if it finished those imports without starting a thread
+(``use_next``), else from the first.
+
 The default (``--jit-warm-start off`` gives fresh ``python -u`` processes).
 The server is a fresh interpreter started by multiprocessing before any
 worker exists: it imports modules, never starts a thread of its own (tested)
@@ -26,11 +32,16 @@ destructor: see there for the deadlock that avoids), which the agent's
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
 import sys
+from pathlib import Path
+
+from jitckpt import contract
 
 # _server_bind first: the server dies with the agent from then on (jitckpt/parent_death.py)
 PRELOAD = ["jitckpt._server_bind", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
@@ -48,6 +59,15 @@ def start_server(env: dict[str, str] | None = None) -> None:
     global _server_env
     if _server_env is not None:
         return
+    with _server_start(env):
+        _server_env = dict(os.environ)
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _server_start(env: dict[str, str] | None):
+    """``env`` set, SIGTERM and SIGINT ignored and blocked while a server is spawned."""
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     # The server ignores SIGTERM and SIGINT (inherited over its exec: a blocked mask is not,
@@ -61,9 +81,7 @@ def start_server(env: dict[str, str] | None = None) -> None:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop}
     try:
-        _server_env = dict(os.environ)
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        yield
     finally:
         for sig, h in handlers.items():
             signal.signal(sig, h)
@@ -73,6 +91,68 @@ def start_server(env: dict[str, str] | None = None) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _Next:
+    """A second server, started while the first attempt trains, that also imports what the
+    job's workers imported (jitckpt/import_record.py): the next attempt forks from it once it
+    reported its imports done and thread-free. Main thread only (the agent's)."""
+
+    def __init__(self, modules: list[str], status: Path) -> None:
+        self.modules, self.status = modules, status
+        self.server = multiprocessing.forkserver.ForkServer()
+        status.unlink(missing_ok=True)
+        # jitrun's environment now: the first server's plus what jitrun set since, which
+        # workers are handed anyway (changed_env)
+        with _server_start({contract.WARM_IMPORTS.name: ",".join(modules), contract.WARM_STATUS.name: str(status)}):
+            self.server.set_forkserver_preload([*PRELOAD, "jitckpt._warm_imports"])
+            self.server.ensure_running()
+
+    def ready(self) -> dict | None:
+        try:
+            st = json.loads(self.status.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return st if isinstance(st, dict) and st.get("ok") is True else None
+
+
+_next: _Next | None = None
+_using_next = False
+
+
+def prepare_next(root: Path) -> list[str] | None:
+    """Once the job's record exists, start the server that preloads it (once per jitrun);
+    the names it will import, or None (no warm start, no record yet, or already started)."""
+    global _next
+    if _server_env is None or _next is not None or contract.NO_WARM_IMPORTS.get():
+        return None
+    from jitckpt import import_record
+
+    if not (Path(root) / import_record.FILE).exists():
+        return None
+    modules = import_record.load(root)
+    if not modules:
+        return None
+    _next = _Next(modules, Path(root) / import_record.STATUS_FILE)
+    return modules
+
+
+def use_next() -> dict | None:
+    """Before a restart's workers start: fork them from the preloading server if it is ready
+    (its status), else stay on the first. Its status when it switched, else None."""
+    global _using_next
+    if _next is None or _using_next:
+        return None
+    st = _next.ready()
+    if st is None:
+        return None
+    fs = multiprocessing.forkserver
+    fs.ensure_running = _next.server.ensure_running
+    fs.connect_to_new_process = _next.server.connect_to_new_process
+    fs.get_inherited_fds = _next.server.get_inherited_fds
+    fs.set_forkserver_preload = _next.server.set_forkserver_preload
+    _using_next = True
+    return st
 
 
 def changed_env() -> dict[str, str]:
