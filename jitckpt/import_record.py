@@ -31,8 +31,8 @@ STATUS_FILE = "warm-imports.status.json"
 MAX_NAMES = 5000
 # a top-level name not private; its submodules' names may be
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,15}")
-# preloaded by the server already, or jitckpt's own
-_SKIP = frozenset({"torch", "jitckpt", "launcher", "jitrun"})
+# preloaded by the server already, or jitckpt's own (setproctitle: the worker's title, _bootstrap.py)
+_SKIP = frozenset({"torch", "jitckpt", "launcher", "jitrun", "setproctitle"})
 
 
 def site_dirs() -> list[str]:
@@ -50,6 +50,16 @@ def installed(origin: str | None, dirs: list[str]) -> bool:
     return bool(origin) and any(os.path.realpath(origin).startswith(d) for d in dirs)
 
 
+_inherited: frozenset[str] = frozenset()
+
+
+def note_inherited() -> None:
+    """In a worker forked from the warm-start server, before the script runs: the modules it
+    came with, left out of the record (the next server has them too)."""
+    global _inherited
+    _inherited = frozenset(sys.modules)
+
+
 def third_party(modules: dict | None = None) -> list[str]:
     """The installed packages' modules loaded in this process, in the order they were first
     loaded. Submodules too: a package that loads lazily (transformers) imports almost nothing
@@ -60,7 +70,7 @@ def third_party(modules: dict | None = None) -> list[str]:
     out = []
     for name, mod in list(mods.items()):
         top = name.partition(".")[0]
-        if top in _SKIP or mod is None or not _NAME.fullmatch(name):
+        if top in _SKIP or mod is None or name in _inherited or not _NAME.fullmatch(name):
             continue
         if top not in tops:
             tops[top] = installed(getattr(mods.get(top), "__file__", None), dirs)
@@ -100,7 +110,13 @@ def at_training_start(root: Path | None) -> None:
     if root is None or os.environ.get("LOCAL_RANK", "0") != "0" or contract.NO_WARM_IMPORTS.get():
         return
     try:
-        record(root)
+        names = third_party()
+        old = load(root)
+        new = [n for n in names if n not in set(old)]
+        # merged, not replaced: a worker forked from the preloading server has the recorded
+        # modules already, and the record is also for the job's next jitrun
+        if new:
+            record(root, (old + new)[:MAX_NAMES])
     except OSError as e:
         print(f"[jitckpt] warm-start imports not recorded ({e}); a restart imports them in each worker",
               file=sys.stderr, flush=True)

@@ -300,7 +300,7 @@ class JitAgent(LocalElasticAgent):
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
         elif f.refused:
-            self._abort("a worker refused to train", episode.REFUSED)
+            self._abort("a worker refused to train", episode.refused_line(self._book.refused))
         elif f.no_space is not None and not f.saved:
             # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
             self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))

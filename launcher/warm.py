@@ -118,20 +118,26 @@ class _Next:
 
 _next: _Next | None = None
 _using_next = False
+_record_seen: int | None = None  # the record's mtime when last read
 
 
 def prepare_next(root: Path) -> list[str] | None:
     """Once the job's record exists, start the server that preloads it (once per jitrun);
     the names it will import, or None (no warm start, no record yet, or already started)."""
-    global _next
+    global _next, _record_seen
     if _server_env is None or _next is not None or contract.NO_WARM_IMPORTS.get():
         return None
     from jitckpt import import_record
 
-    if not (Path(root) / import_record.FILE).exists():
+    try:
+        seen = os.stat(Path(root) / import_record.FILE).st_mtime_ns
+    except OSError:
         return None
+    if seen == _record_seen:  # read already (every tick asks)
+        return None
+    _record_seen = seen
     modules = import_record.load(root)
-    if not modules:
+    if not modules:  # the script imported nothing the first server lacks
         return None
     _next = _Next(modules, Path(root) / import_record.STATUS_FILE)
     return modules
@@ -167,7 +173,9 @@ def changed_env() -> dict[str, str]:
 def worker_main(*argv: str) -> None:
     """Entry point of a forked worker: ``argv`` is what would follow
     ``python -u`` (a script and its args, or ``-m module ...``)."""
-    from jitckpt import parent_death
+    from jitckpt import import_record, parent_death
+
+    import_record.note_inherited()  # what the server had loaded: never worth recording
 
     # a fork of the server follows it (and so the agent); under --run-path's spawn the parent is the agent
     server = sys.modules.get("jitckpt._server_bind")

@@ -29,7 +29,7 @@ def _mod(name: str, file: str | None) -> types.ModuleType:
     return m
 
 
-def test_record_keeps_installed_packages_in_load_order(tmp_path):
+def test_record_keeps_installed_packages_in_load_order(tmp_path, monkeypatch):
     mods = {"zeta": _mod("zeta", f"{SITE}zeta/__init__.py"),
             "zeta.models.gpt": _mod("zeta.models.gpt", f"{SITE}zeta/models/gpt.py"),
             "alpha": _mod("alpha", f"{SITE}alpha.py"),
@@ -39,6 +39,9 @@ def test_record_keeps_installed_packages_in_load_order(tmp_path):
             "json": _mod("json", os.path.dirname(json.__file__) + "/__init__.py"),  # the standard library
             "zeta.none": None}
     assert import_record.third_party(mods) == ["zeta", "zeta.models.gpt", "alpha"]
+    # in a worker forked from the warm-start server: what the server had loaded is left out
+    monkeypatch.setattr(import_record, "_inherited", frozenset({"zeta", "zeta.models.gpt"}))
+    assert import_record.third_party(mods) == ["alpha"]
 
 
 def test_record_file_and_validation(tmp_path, monkeypatch):
@@ -54,6 +57,10 @@ def test_record_file_and_validation(tmp_path, monkeypatch):
     assert import_record.load(tmp_path) == []
     path.write_text("{garbage")
     assert import_record.load(tmp_path) == []
+    import_record.record(tmp_path, ["ok.mod"])
+    import_record.at_training_start(tmp_path)  # merged: the old names first, then this process's
+    got = import_record.load(tmp_path)
+    assert got[0] == "ok.mod" and "pytest" in got and len(got) == len(set(got))
     path.unlink()
     monkeypatch.setenv("LOCAL_RANK", "1")  # one record per node: local rank 0's
     import_record.at_training_start(tmp_path)
@@ -87,6 +94,7 @@ def servers(monkeypatch):
         monkeypatch.setattr(multiprocessing.forkserver, name, getattr(multiprocessing.forkserver, name))
     monkeypatch.setattr(warm, "_next", None)
     monkeypatch.setattr(warm, "_using_next", False)
+    monkeypatch.setattr(warm, "_record_seen", None)
     monkeypatch.setattr(warm, "_server_env", dict(os.environ))  # as if the first server had started
     monkeypatch.setattr(warm, "PRELOAD", ["jitckpt._server_bind"])  # not torch: seconds to import
     monkeypatch.delenv("JITRUN_NO_WARM_IMPORTS", raising=False)
@@ -125,6 +133,9 @@ def test_next_attempt_forks_from_a_server_that_imported_the_record(tmp_path, ser
 
 
 def test_without_warm_start_or_when_off_nothing_starts(tmp_path, servers, monkeypatch):
+    import_record.record(tmp_path, [])  # nothing beyond the first server's preload
+    assert warm.prepare_next(tmp_path) is None and warm._next is None
+    time.sleep(0.01)
     import_record.record(tmp_path, ["yaml"])
     monkeypatch.setenv("JITRUN_NO_WARM_IMPORTS", "1")
     assert warm.prepare_next(tmp_path) is None

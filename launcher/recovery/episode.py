@@ -71,8 +71,14 @@ def no_space_line(f: Failure, jit) -> str:
     return f"jitrun: the job stops, not restarting on a full disk ({kept}): {f.no_space}"
 
 
-REFUSED = ("jitrun: the job stops, not restarting: a worker refused to train (its '[jitckpt] rank N: REFUSED:' "
-           "line says why and how to fix it); every attempt would refuse the same way.")
+def refused_line(refused: tuple[int, str] | None) -> str:
+    """The one line of a job stopped by a worker's refusal: its reason when its report came
+    (the worker's own line may be lost with its last output), else where to look."""
+    head = "jitrun: the job stops, not restarting (every attempt would refuse the same way): "
+    if refused is not None:
+        rank, why = refused
+        return f"{head}rank {rank} refused to train: {why}"
+    return f"{head}a worker refused to train (its '[jitckpt] rank N: REFUSED:' line says why and how to fix it)"
 
 
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
