@@ -399,9 +399,11 @@ class JitAgent(LocalElasticAgent):
         self._events.emit("restart", restart_count=restart_count,
                           restore_step=f.restore_step if f else None, placement=placement.summary())
         self._failure = None
+        t0 = time.monotonic()
         st = warm.use_next()
         if st is not None:
-            self._events.emit("warm_imports", used=True, imported=st.get("imported"), seconds=st.get("seconds"))
+            self._events.emit("warm_imports", used=True, imported=st.get("imported"), seconds=st.get("seconds"),
+                              waited_s=round(time.monotonic() - t0, 3))
         super()._restart_workers(worker_group)
 
     def _on_resumed(self, m: dict) -> None:

@@ -39,6 +39,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from jitckpt import contract
@@ -108,12 +109,13 @@ class _Next:
             self.server.set_forkserver_preload([*PRELOAD, "jitckpt._warm_imports"])
             self.server.ensure_running()
 
-    def ready(self) -> dict | None:
+    def status_now(self) -> dict | None:
+        """The server's report once its imports are done (None before)."""
         try:
             st = json.loads(self.status.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        return st if isinstance(st, dict) and st.get("ok") is True else None
+        return st if isinstance(st, dict) else None
 
 
 _next: _Next | None = None
@@ -143,14 +145,23 @@ def prepare_next(root: Path) -> list[str] | None:
     return modules
 
 
-def use_next() -> dict | None:
-    """Before a restart's workers start: fork them from the preloading server if it is ready
-    (its status), else stay on the first. Its status when it switched, else None."""
+NEXT_WAIT_S = 30.0
+
+
+def use_next(wait_s: float = NEXT_WAIT_S) -> dict | None:
+    """Before a restart's workers start: fork them from the preloading server once it said
+    its imports are done, waiting for that up to ``wait_s``: it started importing before the
+    failure, so it is done sooner than a fresh worker importing the same (measured: a restart
+    that forked from the first server while the second was still importing was slower than
+    one without it, both competing for the CPU). Stays on the first server if the second
+    started a thread, or never answered. Its status when it switched, else None."""
     global _using_next
     if _next is None or _using_next:
         return None
-    st = _next.ready()
-    if st is None:
+    deadline = time.monotonic() + wait_s
+    while (st := _next.status_now()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if st is None or st.get("ok") is not True:
         return None
     fs = multiprocessing.forkserver
     fs.ensure_running = _next.server.ensure_running

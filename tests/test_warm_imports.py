@@ -117,10 +117,8 @@ def test_next_attempt_forks_from_a_server_that_imported_the_record(tmp_path, ser
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     assert warm.prepare_next(tmp_path) is None  # once
-    deadline = time.monotonic() + 60
-    while (st := warm.use_next()) is None:
-        assert time.monotonic() < deadline, "the preloading server never reported its imports"
-        time.sleep(0.1)
+    st = warm.use_next(wait_s=60)  # waits for the server's imports
+    assert st is not None, "the preloading server never reported its imports"
     assert st["imported"] == 2 and st["skipped"] == ["not_installed_pkg"] and st["threads"] == 1
     p = multiprocessing.get_context("forkserver").Process(target=_probe, args=(names,))
     p.start()
@@ -141,4 +139,16 @@ def test_without_warm_start_or_when_off_nothing_starts(tmp_path, servers, monkey
     assert warm.prepare_next(tmp_path) is None
     monkeypatch.delenv("JITRUN_NO_WARM_IMPORTS")
     monkeypatch.setattr(warm, "_server_env", None)  # --jit-warm-start off: fresh processes
-    assert warm.prepare_next(tmp_path) is None and warm.use_next() is None
+    assert warm.prepare_next(tmp_path) is None and warm.use_next(wait_s=0) is None
+
+
+def test_a_server_whose_imports_started_a_thread_is_not_used(servers, monkeypatch):
+    """Its status says so (jitckpt/_warm_imports.py counts /proc/self/task): the restart forks
+    from the first server; one that never answers is waited for only up to the bound."""
+    before = multiprocessing.forkserver.connect_to_new_process
+    monkeypatch.setattr(warm, "_next", types.SimpleNamespace(status_now=lambda: {"ok": False, "threads": 2}))
+    assert warm.use_next(wait_s=5) is None
+    monkeypatch.setattr(warm, "_next", types.SimpleNamespace(status_now=lambda: None))
+    t0 = time.monotonic()
+    assert warm.use_next(wait_s=0.3) is None and 0.25 < time.monotonic() - t0 < 5
+    assert multiprocessing.forkserver.connect_to_new_process is before
