@@ -16,6 +16,7 @@ is data: names are validated when read; 0600, written atomically.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -46,8 +47,14 @@ def site_dirs() -> list[str]:
     return sorted(os.path.realpath(d) + os.sep for d in dirs if d)
 
 
+@functools.lru_cache(maxsize=4096)
+def _real_dir(d: str) -> str:
+    # one realpath per directory, not per module: the scan runs at a minibatch start
+    return os.path.realpath(d) + os.sep
+
+
 def installed(origin: str | None, dirs: list[str]) -> bool:
-    return bool(origin) and any(os.path.realpath(origin).startswith(d) for d in dirs)
+    return bool(origin) and _real_dir(os.path.dirname(origin)).startswith(tuple(dirs))
 
 
 _inherited: frozenset[str] = frozenset()
