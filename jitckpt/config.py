@@ -12,6 +12,7 @@ from . import contract
 EXIT_SAVED = 75  # a JIT checkpoint was published, the worker stopped on purpose
 EXIT_NOT_SAVED = 76  # a failure was detected but no consistent state could be saved
 EXIT_DIVERGED = 77  # ranks loaded different checkpoint steps: refused before any training step
+EXIT_REFUSED = 78  # the script asked for what jitckpt cannot make exact (refusal.py): never restarted
 
 DEFAULT_TIMEOUT_S = contract.DEFAULT_TIMEOUT_S
 

@@ -113,6 +113,9 @@ CRIU_CACHE = Var("JITCKPT_CRIU_CACHE", str, "", "where scripts/build_criu.sh kee
 MIGRATE_TIMEOUT = Var("JITCKPT_MIGRATE_TIMEOUT", float, 120.0, "seconds for a migration's transfer and restore")
 SLURM_LOG = Var("JITCKPT_SLURM_LOG", str, "", "the Slurm hook's log file")
 TEST_MIGRATE_FAULT = Var("JITCKPT_TEST_MIGRATE_FAULT", str, "", "tests: break a dump (kill-criu | corrupt-image)")
+WARM_IMPORTS = Var("JITCKPT_WARM_IMPORTS", str, "", "packages the warm-start server imports (jitckpt/_warm_imports.py)")
+NO_WARM_IMPORTS = Var("JITRUN_NO_WARM_IMPORTS", _flag, False, "restarts do not preload what the script imported")
+WARM_STATUS = Var("JITCKPT_WARM_STATUS", str, "", "where the warm-start server says those imports are done")
 TEST_CORRUPT_TRANSFER = Var("JITCKPT_TEST_CORRUPT_TRANSFER", _flag, False, "tests: serve corrupted replicas")
 
 VARS: tuple[Var[Any], ...] = tuple(v for v in globals().values() if isinstance(v, Var))

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from . import api
+from .refusal import refuse
 from .resume_data import (
     _is_lookahead_adapter,
     _LoaderTracker,
@@ -242,6 +243,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     loops from it. Call once per process, instead of ``register``.
     """
     global _session
+    _refuse_inside_trainer()
     state = {} if state is None else state
     if not isinstance(state, dict):
         raise TypeError(f"jitckpt.resumable: state must be a dict of counters, got {type(state).__name__}")
@@ -278,6 +280,14 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     if session.sharded is not None:
         resume_sharded.after_restore(session.sharded, rt, path)
     return state
+
+
+def _refuse_inside_trainer() -> None:
+    from .integrations._hosts import TRAINER_HINT, inside_trainer_train
+
+    if api._get_runtime().cfg.managed and inside_trainer_train():
+        refuse("jitckpt.resumable cannot restore a transformers Trainer's step counters, epoch and log "
+               f"history (Trainer computes them before any callback runs); {TRAINER_HINT}")
 
 
 def _track(model: Any, optimizer: Any) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .refusal import refuse
+
 # -- RNG ---------------------------------------------------------------------
 
 
@@ -99,7 +101,7 @@ class _EpochRecord:
 
     __slots__ = ("rng", "gens", "epoch", "yielded", "consumed", "on_end", "end")
 
-    def __init__(self, rng: torch.Tensor, gens: list[torch.Tensor], epoch: int | None, skipped: int) -> None:
+    def __init__(self, rng: torch.Tensor, gens: dict, epoch: int | None, skipped: int) -> None:
         self.rng, self.gens, self.epoch = rng, gens, epoch
         self.yielded = self.consumed = skipped
         self.on_end: Any = None  # called once when the iterator is exhausted
@@ -135,25 +137,84 @@ class _CountingIter:
         return getattr(self._it, name)
 
 
-def _generators(loader: Any) -> list[torch.Generator]:
-    """Every torch.Generator the loader's order depends on, each once, in a
-    fixed order: its own and those of its samplers, followed through
-    ``sampler`` / ``batch_sampler`` a few levels deep (Accelerate's
-    BatchSamplerShard wraps a BatchSampler that holds the RandomSampler)."""
-    found: list[torch.Generator] = []
+def _generator_owners(loader: Any) -> dict[str, Any]:
+    """Path -> each object the loader's order may draw from a ``generator`` attribute of (set
+    or still None), each once, in a fixed order: the loader and its samplers, followed through
+    ``sampler`` / ``batch_sampler`` a few levels deep (Accelerate's BatchSamplerShard wraps a
+    BatchSampler that holds the RandomSampler). Paths, not positions: a sampler may create its
+    generator lazily on its first ``__iter__`` (Accelerate's SeedableRandomSampler, Trainer's
+    default), so how many generators exist differs between an epoch's start and a restart."""
+    found: dict[str, Any] = {}
 
-    def walk(owner: Any, depth: int) -> None:
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
+    def walk(owner: Any, path: str, depth: int) -> None:
+        if any(owner is f for f in found.values()):
+            return
+        if hasattr(owner, "generator"):
+            found[path] = owner
         if depth < 3:
             for attr in ("sampler", "batch_sampler"):
                 child = getattr(owner, attr, None)
                 if child is not None and child is not owner:
-                    walk(child, depth + 1)
+                    walk(child, f"{path}.{attr}" if path else attr, depth + 1)
 
-    walk(loader, 0)
+    walk(loader, "", 0)
     return found
+
+
+_SAME = "="  # in place of a device: this owner shares the generator of the path that follows
+
+
+def _gen_states(loader: Any) -> dict[str, tuple[str, Any] | None]:
+    """Path -> (device, state) of each generator, None where the owner has none yet, or
+    (_SAME, path) where it shares one recorded before (``DataLoader(generator=g)`` hands g to
+    its sampler)."""
+    out: dict[str, tuple[str, Any] | None] = {}
+    seen: dict[str, torch.Generator] = {}
+    for path, owner in _generator_owners(loader).items():
+        g = owner.generator
+        if isinstance(g, torch.Generator):
+            first = next((p for p, f in seen.items() if f is g), None)
+            out[path] = (_SAME, first) if first is not None else (str(g.device), g.get_state())
+            seen.setdefault(path, g)
+        elif g is None:
+            out[path] = None
+    return out
+
+
+class GeneratorsDiffer(RuntimeError):
+    """The restarted loader's samplers are not those the checkpoint recorded."""
+
+
+def _set_gen_states(loader: Any, saved: Any) -> None:
+    """Put the loader's generators back to ``saved`` (``_gen_states``' form): one the original
+    run had not created yet is removed again (its sampler creates and seeds it as it did), one
+    it had that this process has not created yet is created here with the saved state."""
+    owners = _generator_owners(loader)
+    if isinstance(saved, list):  # a checkpoint of an older jitckpt: by position
+        live = [g for g in (o.generator for o in owners.values()) if isinstance(g, torch.Generator)]
+        if len(live) != len(saved):
+            raise GeneratorsDiffer(f"the checkpoint recorded {len(saved)} sampler generators, this loader has "
+                                   f"{len(live)}")
+        for g, st in zip(live, saved, strict=True):
+            g.set_state(st)
+        return
+    extra = [p for p, o in owners.items() if p not in saved and isinstance(o.generator, torch.Generator)]
+    missing = [p for p in saved if p not in owners]
+    if extra or missing:
+        raise GeneratorsDiffer(f"the loader's samplers differ from the checkpoint's (generators at "
+                               f"{sorted(saved)}, here at {sorted(owners)})")
+    for path, st in saved.items():
+        owner = owners[path]
+        if st is None:
+            owner.generator = None
+            continue
+        device, state = st
+        if device == _SAME:
+            owner.generator = owners[state].generator
+            continue
+        if not isinstance(owner.generator, torch.Generator):
+            owner.generator = torch.Generator(device=device)
+        owner.generator.set_state(state)
 
 
 class _LoaderTracker:
@@ -187,8 +248,11 @@ class _LoaderTracker:
             # from the same RNG and generator states, so it draws the same seeds.
             pos = self.resume
             torch.set_rng_state(pos["rng"])
-            for g, s in zip(_generators(self.loader), pos["gens"], strict=True):
-                g.set_state(s)
+            try:
+                _set_gen_states(self.loader, pos["gens"])
+            except GeneratorsDiffer as e:
+                refuse(f"jitckpt.resumable: cannot resume this DataLoader's position exactly: {e}; pass the "
+                       "same loader as the run that saved it")
             skip = pos["consumed"]
             epoch = getattr(getattr(self.loader, "sampler", None), "epoch", None)
             if pos["epoch"] is not None and epoch is not None and epoch != pos["epoch"]:
@@ -196,7 +260,7 @@ class _LoaderTracker:
                       f"checkpoint was taken in epoch {pos['epoch']}: restore your epoch counter (resumable's "
                       "state=) and call set_epoch before iterating; the data position may be wrong",
                       file=sys.stderr, flush=True)
-        rec = _EpochRecord(torch.get_rng_state(), [g.get_state() for g in _generators(self.loader)],
+        rec = _EpochRecord(torch.get_rng_state(), _gen_states(self.loader),
                            getattr(getattr(self.loader, "sampler", None), "epoch", None), skip)
         self.loader.__dict__["_jitckpt_skip"] = skip
         try:
@@ -210,7 +274,7 @@ class _LoaderTracker:
     def _epoch_ended(self, rec: _EpochRecord) -> None:
         # once per epoch: where a save taken before the next minibatch (validation, the
         # bookkeeping between epochs) must put the RNG back when a restart reaches this point
-        rec.end = {"rng": _portable(_rng_snapshot()), "gens": [g.get_state() for g in _generators(self.loader)]}
+        rec.end = {"rng": _portable(_rng_snapshot()), "gens": _gen_states(self.loader)}
 
     def _resumed_epoch_ended(self) -> None:
         """The restored iterator ran out before any minibatch started: the checkpoint was taken
@@ -222,8 +286,10 @@ class _LoaderTracker:
         if end is None:  # a minibatch started meanwhile, or an iterator that never ran out
             return
         _rng_restore(end["rng"])
-        for g, st in zip(_generators(self.loader), end["gens"], strict=True):
-            g.set_state(st)
+        try:
+            _set_gen_states(self.loader, end["gens"])
+        except GeneratorsDiffer as e:
+            refuse(f"jitckpt.resumable: cannot resume this DataLoader exactly: {e}")
         if self.session is not None:
             self.session.pending_rng = None  # of a later point of the original run
 

@@ -50,7 +50,7 @@ from enum import Enum
 
 from . import buffers as _buffers
 from . import config as _config
-from . import contract, layout, parent_death, save_space
+from . import contract, import_record, layout, parent_death, save_space
 from . import faults as _faults
 from .collective_errors import find_collective_error
 
@@ -182,6 +182,7 @@ class Runtime:
         if self.reporter is not None and not self._checked:
             self._checked = True
             self._check_same_state()
+            import_record.at_training_start(self.cfg.root)
         if self.on_training_start is not None:
             fn, self.on_training_start = self.on_training_start, None
             fn()

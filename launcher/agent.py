@@ -249,6 +249,10 @@ class JitAgent(LocalElasticAgent):
         self._restorer.share(self._book, self._round)
         if failed:
             return self._handle_failure(worker_group)
+        started = warm.prepare_next(self._jit.root)
+        if started:
+            self._events.emit("warm_imports", started=True, modules=len(started),
+                              packages=sorted({m.partition(".")[0] for m in started}))
         if self._book.migrating:
             move_out(self._book.migrating, store=self._worker_store(worker_group),
                      coord=coord.store if coord else None, token=self._jit.token, root=self._jit.root,
@@ -291,6 +295,8 @@ class JitAgent(LocalElasticAgent):
             raise Preempted(self._preempt.name)
         if f.diverged:
             self._abort("ranks loaded different checkpoint steps", episode.DIVERGED)
+        elif f.refused:
+            self._abort("a worker refused to train", episode.refused_line(self._book.refused))
         elif f.no_space is not None and not f.saved:
             # a full disk cost this failure's checkpoint, and would cost the next one's: stop, keep the last
             self._abort("no space for the JIT checkpoint", episode.no_space_line(f, self._jit))
@@ -389,6 +395,11 @@ class JitAgent(LocalElasticAgent):
         self._events.emit("restart", restart_count=restart_count,
                           restore_step=f.restore_step if f else None, placement=placement.summary())
         self._failure = None
+        t0 = time.monotonic()
+        st = warm.use_next()
+        if st is not None:
+            self._events.emit("warm_imports", used=True, imported=st.get("imported"), seconds=st.get("seconds"),
+                              waited_s=round(time.monotonic() - t0, 3))
         super()._restart_workers(worker_group)
 
     def _on_resumed(self, m: dict) -> None:

@@ -99,7 +99,7 @@ def summary(events: list[dict]) -> str:
                           "checkpoint_failed", "ranks_killed", "no_jit_checkpoint", "restart", "resumed", "job_end",
                           "restore_decision", "replica_fetched", "replica_fetch_failed", "replica_fetch_fallback",
                           "state_divergence", "spare_waiting", "job_abort", "state_mismatch", "sdc_suspect",
-                          "state_repaired", "verify_off", "preempted"):
+                          "state_repaired", "verify_off", "preempted", "refused"):
             detail = {k: v for k, v in e.items() if k not in ("event", "t", "path", "error", "node")}
             where = f"[{e['node']}] " if multi and e.get("node") else ""
             lines.append(f"  +{e['t'] - t0:7.2f}s  {where}{e['event']:<18} {json.dumps(detail, sort_keys=True)}")

@@ -75,6 +75,16 @@ class _Resumable(TrainerCallback):
                               dataloader=train_dataloader, state={})
 
 
+class _Sleep(TrainerCallback):
+    def __init__(self, s: float) -> None:
+        self.s = s
+
+    def on_step_end(self, args, state, control, **kw) -> None:
+        import time
+
+        time.sleep(self.s)
+
+
 def _final(trainer: Trainer) -> dict:
     st = dataclasses.asdict(trainer.state)
     st["log_history"] = [{k: v for k, v in e.items() if not any(t in k for t in _TIMING)}
@@ -95,6 +105,7 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=20)
     ap.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True when a checkpoint exists")
     ap.add_argument("--die-in-save", default="")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (benches: time to warm up)")
     a = ap.parse_args()
 
     set_seed(0)
@@ -113,6 +124,8 @@ def main() -> None:
         callbacks.append(JitCallback())  # the one line
     elif a.mode in ("resumable", "accelerate"):
         callbacks.append(_Resumable(a.mode))
+    if a.step_sleep:
+        callbacks.append(_Sleep(a.step_sleep))
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     if a.mode in ("resumable", "accelerate"):
         callbacks[0].trainer = trainer

@@ -8,6 +8,7 @@ failure-free plain-torchrun run's, with at most one minibatch redone per recover
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -99,3 +100,33 @@ def test_outside_jitrun_the_callback_does_nothing(tmp_path, reference):
     assert "[jitckpt]" not in cp.stdout
     for r in (0, 1):
         assert_same_state(reference / f"final-{r}.pt", tmp_path / f"final-{r}.pt")
+
+
+@pytest.mark.parametrize("mode", ["resumable", "accelerate"])
+def test_resumable_inside_trainer_is_refused_at_start(tmp_path, mode):
+    """``jitckpt.resumable`` / the Accelerate adapter called from a TrainerCallback cannot restore
+    Trainer's step counters, epoch, logs (nor, for Accelerate, the scheduler Trainer makes after
+    ``prepare``): refused before the first step, one line per rank, not restarted; the fault
+    planned in epoch 1 (where the sampler's lazily made generator once crash-looped) never comes."""
+    jit = tmp_path / "jit"
+    cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", "2", "--max-restarts", "3", "--jit-timeout", "3",
+           "--jit-dir", str(jit), str(SCRIPT), "--out", str(tmp_path), "--mode", mode]
+    cp = run_tree(cmd, env={"JITCKPT_FAULT": "rank=1,step=55,phase=forward,kind=sigkill"}, timeout=300,
+                  cwd=tmp_path)
+    job = Job(cp.returncode, cp.stdout, jit, tmp_path)
+    assert job.returncode == 1, job.output[-4000:]
+    exits = {e["rank"]: e["exitcode"] for e in job.events() if e["event"] == "worker_exit"}
+    # each rank refused (78), or was killed by jitrun (-9) after its peer had refused first
+    refusers = sorted(r for r, c in exits.items() if c == 78)
+    assert set(exits) == {0, 1} and refusers and all(c in (78, -9) for c in exits.values()), exits
+    assert not job.of("recovery") and not job.of("restart") and not job.of("fault_injected")
+    assert sorted(e["rank"] for e in job.of("refused")) == refusers
+    # jitrun's own line says why (a worker's last line may be lost as it exits); each worker line
+    # that did come is one of a refuser's
+    stop = [ln for ln in job.output.splitlines() if ln.startswith("jitrun: the job stops, not restarting")]
+    assert len(stop) == 1 and "refused to train: " in stop[0] and "JitCallback()" in stop[0], stop
+    refused = [m for m in (re.search(r"\[jitckpt\] rank (\d): REFUSED: (.*)", ln) for ln in job.output.splitlines())
+               if m]
+    assert refused and {int(m[1]) for m in refused} <= set(refusers), (refusers, job.output[-4000:])
+    assert all("JitCallback()" in m[2] for m in refused), refused
+    assert "Traceback" not in job.output and not list(tmp_path.glob("final-*.pt"))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jitckpt import api, hooks, layout, resume
+from jitckpt import api, hooks, layout, resume, resume_data
 
 ENV = ("JITCKPT_DIR", "JITCKPT_JOB_ID", "JITCKPT_TOKEN", "JITCKPT_RESTORE_STEP", "JITCKPT_FAULT",
        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LD_PRELOAD")
@@ -230,3 +230,77 @@ def test_stateful_dataloader_position(workers, trained):
     resume._StatefulLoaderTracker(loader2)
     loader2.load_state_dict(pos)
     assert [b.flatten().tolist() for b in loader2] == expected
+
+
+class LazySampler(torch.utils.data.RandomSampler):
+    """Creates its generator on its first ``__iter__``, as Accelerate's SeedableRandomSampler
+    (Trainer's default) does; never reseeds it, so epoch 1's order depends on its state."""
+
+    def __iter__(self):
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(7)
+        yield from super().__iter__()
+
+
+def _lazy_run(epoch: int, trained: int) -> tuple[dict, list[list[int]]]:
+    torch.manual_seed(5)
+    loader = DataLoader(Counting(40), batch_size=4, sampler=LazySampler(Counting(40)))
+    tracker = resume._LoaderTracker(loader, None)
+    for e in range(epoch + 1):
+        rest: list[list[int]] = []
+        for i, b in enumerate(loader):
+            if e == epoch and i == trained:
+                pos = tracker.position()
+            if e == epoch and i >= trained:
+                rest.append(b.flatten().tolist())
+            else:
+                tracker.step_done()
+    return pos, rest
+
+
+@pytest.mark.parametrize("epoch,eager", [(1, False), (0, True), (0, False)],
+                         ids=["made-before-restart", "none-then-made-eagerly", "none-both"])
+def test_lazily_created_sampler_generator(tmp_path, epoch, eager):
+    """The checkpoint's iterator began with its sampler's generator already made (epoch 1) or not
+    yet (epoch 0); the restarted sampler has none yet, or one made another way: either way the
+    rest of the epoch is the original's (once a crash: the generators were matched by count)."""
+    pos, expected = _lazy_run(epoch, trained=3)
+    torch.save(pos, tmp_path / "pos.pt")  # through the checkpoint's own round trip
+    pos = torch.load(tmp_path / "pos.pt", weights_only=True)
+    torch.manual_seed(999)
+    sampler = LazySampler(Counting(40))
+    if eager:
+        sampler.generator = torch.Generator().manual_seed(123)
+    loader = DataLoader(Counting(40), batch_size=4, sampler=sampler)
+    tracker = resume._LoaderTracker(loader, None)
+    tracker.resume = pos
+    got = [b.flatten().tolist() for b in loader]
+    assert got == expected and len(got) == 7
+    if epoch == 1 or eager:
+        # not vacuous: the same restarted loader, not restored, yields another order
+        sampler = LazySampler(Counting(40))
+        if eager:
+            sampler.generator = torch.Generator().manual_seed(123)
+        other = DataLoader(Counting(40), batch_size=4, sampler=sampler)
+        assert [b.flatten().tolist() for b in other][3:] != expected
+
+
+def test_shared_generator_stays_shared():
+    """DataLoader(generator=g) hands g to its RandomSampler: restored once, still one object."""
+    loader = DataLoader(Counting(8), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(1))
+    saved = resume_data._gen_states(loader)
+    assert sum(v is not None and v[0] != "=" for v in saved.values()) == 1
+    fresh = DataLoader(Counting(8), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(9))
+    resume_data._set_gen_states(fresh, saved)
+    assert fresh.generator is fresh.sampler.generator
+    assert torch.equal(fresh.generator.get_state(), loader.generator.get_state())
+
+
+def test_different_samplers_are_refused_not_crashed():
+    """A loader whose samplers are not the checkpoint's: one clear error (a refusal under jitrun)."""
+    pos, _ = _lazy_run(1, trained=3)
+    loader = DataLoader(Counting(40), batch_size=4)  # sequential: no sampler generator
+    tracker = resume._LoaderTracker(loader, None)
+    tracker.resume = pos
+    with pytest.raises(RuntimeError, match="samplers differ from the checkpoint"):
+        iter(loader)

@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from jitckpt.config import EXIT_DIVERGED, EXIT_SAVED
+from jitckpt.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
 
 from ..preempt import ASK_AFTER_S, STOP_REASONS
 from ..workers import Proc, is_stopped
@@ -48,6 +48,7 @@ class Failure:
         self.rdzv_t: float | None = None  # the next round's rendezvous done
         self.handling_since = time.monotonic()
         self.diverged = False  # ranks loaded different states: never train on
+        self.refused = False  # a worker refused what the script asked (jitckpt/refusal.py): never restart
         self.no_space: str | None = None  # a save failed on a full disk (jitckpt/save_space.py): its line
         # rank -> (reason, t) of its first report of a stop signal (preempt.STOP_REASONS): a preemption
         # when every rank of the node had one the agent did not send (launcher/preempt.py)
@@ -68,6 +69,16 @@ def no_space_line(f: Failure, jit) -> str:
     kept = (f"the newest complete checkpoint here, step {step}, is kept" if step is not None
             else "no complete checkpoint here yet")
     return f"jitrun: the job stops, not restarting on a full disk ({kept}): {f.no_space}"
+
+
+def refused_line(refused: tuple[int, str] | None) -> str:
+    """The one line of a job stopped by a worker's refusal: its reason when its report came
+    (the worker's own line may be lost with its last output), else where to look."""
+    head = "jitrun: the job stops, not restarting (every attempt would refuse the same way): "
+    if refused is not None:
+        rank, why = refused
+        return f"{head}rank {rank} refused to train: {why}"
+    return f"{head}a worker refused to train (its '[jitckpt] rank N: REFUSED:' line says why and how to fix it)"
 
 
 UNHEARD_S = 0.5  # a healthy rank answers the SIGTERM from its watcher thread within this
@@ -119,6 +130,8 @@ class Episode:
                     self.f.reasons.setdefault(r, f"exit {c}")
                 if c == EXIT_DIVERGED:
                     self.f.diverged = True
+                elif c == EXIT_REFUSED:
+                    self.f.refused = True
         return [r for r, c in codes.items() if c is None]
 
     def _ask_and_wait(self) -> None:

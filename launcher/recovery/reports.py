@@ -27,6 +27,7 @@ class ReportBook:
         self.shards: dict[int, str] = {}  # global rank -> shard, from "registered"
         self.finished: set[int] = set()  # this node's ranks that finished their script
         self.finished_now: set[int] = set()  # those that finished it this round
+        self.refused: tuple[int, str] | None = None  # (rank, why) of the first "refused" report, any round
         # rank -> (CPU seconds, when they last changed): a failed process's last
         # sign of life, the failure time when no injector stamped it
         self.life: dict[int, tuple[float, float]] = {}
@@ -74,6 +75,8 @@ class ReportBook:
         if ev == "registered":
             self.shards[rank] = m["shard"]
             return
+        if ev == "refused" and self.refused is None:  # read before or after the exit that ends the attempt
+            self.refused = (rank, str(m.get("error", "")))
         if ev == "finished":
             self.finished.add(rank)
             if current:
