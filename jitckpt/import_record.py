@@ -119,7 +119,8 @@ def at_training_start(root: Path | None) -> None:
     try:
         names = third_party()
         old = load(root)
-        new = [n for n in names if n not in set(old)]
+        have = set(old)
+        new = [n for n in names if n not in have]
         # merged, not replaced: a worker forked from the preloading server has the recorded
         # modules already, and the record is also for the job's next jitrun
         if new:

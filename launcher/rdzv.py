@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from jitckpt.torch_compat import elastic, patched
+from jitckpt.torch_compat import elastic, patch, patched
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def is_static(handler) -> bool:
     """torchrun's default when no rendezvous flag is given, and the classic
     ``--nnodes/--node-rank/--master-addr`` form: one TCPStore hosted by node
     rank 0's agent, no rounds, no membership changes."""
-    return handler.get_backend() == "static" and elastic.rdzv_static_store(handler)[0]
+    return handler.get_backend() == "static" and elastic.rdzv_has_store(handler)
 
 
 def node_name(handler) -> str | None:
@@ -83,11 +83,11 @@ def coordination_store(handler):
     node rank 0's TCPStore (every agent of the job reaches it), created here
     if the agent has not rendezvoused yet, as its first rendezvous would."""
     if _dynamic(handler):
-        return elastic.rdzv_static_store(handler)[1]
+        return elastic.rdzv_store(handler)
     if is_static(handler):
-        if elastic.rdzv_static_store(handler)[1] is None:
+        if elastic.rdzv_store(handler) is None:
             handler.next_rendezvous()
-        return elastic.rdzv_static_store(handler)[1]
+        return elastic.rdzv_store(handler)
     return None
 
 
@@ -279,5 +279,6 @@ def install(handler, *, on_spare: Callable[[int], None] | None = None,
             return 0
         return n
 
-    elastic.patch_handler(handler, "next_rendezvous", next_rendezvous)
-    elastic.patch_handler(handler, "num_nodes_waiting", num_nodes_waiting)
+    # this handler object's methods, not its class's
+    patch(handler, "next_rendezvous", next_rendezvous)
+    patch(handler, "num_nodes_waiting", num_nodes_waiting)

@@ -39,9 +39,14 @@ def rdzv_dynamic(handler: Any) -> bool:
     return hasattr(handler, "_state_holder") and hasattr(handler, "_bootstrap_store_info")
 
 
-def rdzv_static_store(handler: Any) -> tuple[bool, Any]:
-    """(is a static handler, its TCPStore or None before its first rendezvous)."""
-    return hasattr(handler, "_store"), getattr(handler, "_store", None)
+def rdzv_has_store(handler: Any) -> bool:
+    """A handler that keeps the job's TCPStore itself (static; dynamic ones too)."""
+    return hasattr(handler, "_store")
+
+
+def rdzv_store(handler: Any) -> Any:
+    """The handler's own TCPStore, None before its first rendezvous (or none at all)."""
+    return getattr(handler, "_store", None)
 
 
 def rdzv_node(handler: Any) -> Any:
@@ -98,11 +103,6 @@ def rdzv_fresh_store_info(handler: Any, info: Any) -> Any:
         fresh = RendezvousStoreInfo.build(info.rank, info.store, local_addr=addr)
     handler._bootstrap_store_info = fresh
     return type(info)(info.store, info.rank, info.world_size, fresh)
-
-
-def patch_handler(handler: Any, name: str, make: Callable[[Any], Any]) -> bool:
-    """Replace one method of this handler object (not of its class) with ``make(bound original)``."""
-    return patch(handler, name, make)
 
 
 def patch_rendezvous_wait(delay: Callable[[Any], None], method_name: Callable[[int], str]) -> bool:
