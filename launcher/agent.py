@@ -20,9 +20,9 @@ Agent's main thread, except the threads each collaborator documents.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -323,10 +323,11 @@ class JitAgent(LocalElasticAgent):
 
     # -- preemption (launcher/preempt.py) --------------------------------------------
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+        # Passed through as given: torch 2.11 has _shutdown(death_sig), 2.12 to 2.14 add timeout.
         if self._preempt.requested and self.preempt_result is None:
             self._stop_preempted(self._worker_group)
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(*args, **kwargs)
 
     def _poll_quietly(self, wg: WorkerGroup, drain: bool = False) -> None:
         """The workers' reports, if the store still answers: their exits are what counts now."""
