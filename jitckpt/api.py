@@ -120,8 +120,11 @@ def expect_delay(seconds: float) -> Iterator[None]:
         with jitckpt.expect_delay(seconds=600):
             blocking_call_that_holds_the_gil()
 
-    The process groups' own timeout (twice ``--jit-timeout`` plus 30 s)
-    still applies. Outside jitrun, or with ``--jit-timeout fixed:S``, it
+    The block's time, and the first collective wait after it, are not learned
+    into the hang bound; call it on every rank (around an ``if rank == 0:``
+    save, say) so that no rank learns the others' catching up either. The
+    process groups' own timeout (twice ``--jit-timeout`` plus 30 s) still
+    applies. Outside jitrun, or with ``--jit-timeout fixed:S``, it
     does nothing."""
     if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"jitckpt.expect_delay: seconds must be a finite number > 0, got {seconds!r}")

@@ -8,6 +8,7 @@ TrainerState without timings, RNG) to OUT/final-RANK.pt for a bit-for-bit compar
 --die-in-save RANK:STEP:KIND:ATTEMPT[,...]: that rank sends itself KIND (sigkill | sigstop)
 inside Trainer's own periodic save of STEP, after the model and optimizer files and before its
 RNG file, in that attempt of the job (TORCHELASTIC_RESTART_COUNT): a failure during Trainer's save.
+--slow-save RANK:SECONDS: that rank's periodic saves each take SECONDS longer (a slow disk).
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def _die_in_save(trainer: Trainer, specs: str) -> None:
         orig(output_dir)
 
     trainer._save_rng_state = save_rng_state
+
+
+def _slow_save(trainer: Trainer, spec: str) -> None:
+    """RANK:SECONDS: Trainer's periodic checkpoint takes that rank SECONDS longer (a slow disk)."""
+    rank, seconds = spec.split(":")
+    if int(rank) != int(os.environ["RANK"]):
+        return
+    orig = trainer._save_checkpoint
+
+    def save_checkpoint(*a, **kw):
+        import time
+
+        time.sleep(float(seconds))
+        return orig(*a, **kw)
+
+    trainer._save_checkpoint = save_checkpoint
 
 
 class _Resumable(TrainerCallback):
@@ -105,6 +122,7 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=20)
     ap.add_argument("--resume", action="store_true", help="resume_from_checkpoint=True when a checkpoint exists")
     ap.add_argument("--die-in-save", default="")
+    ap.add_argument("--slow-save", default="", help="RANK:SECONDS: that rank's periodic saves take longer")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (benches: time to warm up)")
     a = ap.parse_args()
 
@@ -131,6 +149,8 @@ def main() -> None:
         callbacks[0].trainer = trainer
     if a.die_in_save:
         _die_in_save(trainer, a.die_in_save)
+    if a.slow_save:
+        _slow_save(trainer, a.slow_save)
     has_ckpt = os.path.isdir(args.output_dir) and any(d.startswith("checkpoint-") for d in os.listdir(args.output_dir))
     trainer.train(resume_from_checkpoint=True if a.resume and has_ckpt else None)
     torch.save(_final(trainer), os.path.join(a.out, f"final-{args.process_index}.pt"))

@@ -4,6 +4,7 @@ reads (jitckpt/hang/status.py) and the agent's verdict on a suspicion
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -183,6 +184,59 @@ def test_waits_publish_the_wait_and_the_announced_delay(tmp_path):
     with w.delay(30):
         assert r.read().delay_until > time.monotonic() + 29
     assert r.read().delay_until == 0.0
+
+
+def test_set_aside_work_is_not_learned(tmp_path, monkeypatch):
+    """One rank's slow periodic save (set aside) every few minibatches: neither its
+    own minibatches nor its peers' catching-up waits raise the bound; the same
+    pattern not set aside does, which is what the test would miss if aside did nothing."""
+    from jitckpt.hang import waits as waits_mod
+
+    clock = [1000.0]
+    monkeypatch.setattr(waits_mod.time, "monotonic", lambda: clock[0])
+
+    def rank(name: str, set_aside: bool, save_s: float, wait_s: float) -> float:
+        """One rank's 100 minibatches (optimizer step to optimizer step, as the runtime times
+        them); every 5th ends with the step-end save, which takes this rank ``save_s`` and
+        keeps it ``wait_s`` in the next minibatch's first collective."""
+        w = waits_mod.Waits(tmp_path / name, 0, attempt=0, rule=Rule())
+        for step in range(1, 101):
+            save, t0 = step % 5 == 0, clock[0]
+            with w.aside() if set_aside and save else contextlib.nullcontext():
+                clock[0] += save_s if save else 0.0
+            w.enter()
+            clock[0] += wait_s if save else 0.01
+            w.leave()
+            clock[0] += 0.04
+            w.minibatch(None if step == 1 else clock[0] - t0, step)
+        return w.model.bound()
+
+    def job(set_aside: bool) -> tuple[float, float]:
+        return (rank(f"saver-{set_aside}", set_aside, 6.0, 0.01),  # rank 0 writes the checkpoint
+                rank(f"peer-{set_aside}", set_aside, 0.001, 6.0))  # and rank 1 waits for it
+
+    assert min(job(set_aside=False)) >= 6.0 * MULT  # what a periodic save did to the bound
+    assert job(set_aside=True) == (FLOOR_S, FLOOR_S)
+
+
+def test_aside_takes_a_minibatch_start_inside_it_apart(tmp_path, monkeypatch):
+    from jitckpt.hang import waits as waits_mod
+
+    clock = [50.0]
+    monkeypatch.setattr(waits_mod.time, "monotonic", lambda: clock[0])
+    w = waits_mod.Waits(tmp_path, 0, attempt=0, rule=Rule())
+    seen: list[float] = []
+    monkeypatch.setattr(w.model, "observe_minibatch", seen.append)
+    with w.aside():
+        clock[0] += 2.0  # set aside before the start (a log's gather taken for the start) ...
+        w.minibatch(2.5, 1)
+        clock[0] += 3.0  # ... and after it
+    w.minibatch(3.25, 2)
+    assert seen == [0.5, 0.25]
+    with w.delay(10):  # an announced delay is set aside too
+        clock[0] += 4.0
+    w.minibatch(4.5, 3)
+    assert seen[-1] == 0.5
 
 
 def test_expect_delay_api(monkeypatch):

@@ -130,3 +130,34 @@ def test_resumable_inside_trainer_is_refused_at_start(tmp_path, mode):
     assert refused and {int(m[1]) for m in refused} <= set(refusers), (refusers, job.output[-4000:])
     assert all("JitCallback()" in m[2] for m in refused), refused
     assert "Traceback" not in job.output and not list(tmp_path.glob("final-*.pt"))
+
+
+def test_slow_periodic_save_does_not_slow_hang_detection(tmp_path):
+    """Rank 0's Trainer checkpoint takes 2 s longer (a slow disk) every 5 steps; after six of
+    them both ranks lose a collective (a recv nobody sends). Found in about a second of waiting,
+    not after 5 x 2 s (the save no longer enters the hang bound's learning); exact."""
+    common = [str(SCRIPT), "--max-steps", "40", "--save-steps", "5"]
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    cp = run_reference([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        *common, "--out", str(ref), "--mode", "none"], cwd=ref, timeout=300)
+    assert cp.returncode == 0, cp.stdout[-3000:]
+    out, jit = tmp_path / "run", tmp_path / "jit"
+    out.mkdir()
+    lose = "rank={},step=32,phase=forward,kind=lose"
+    cmd = [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", "2", "--max-restarts", "1", "--jit-dir", str(jit),
+           *common, "--out", str(out), "--mode", "jit", "--slow-save", "0:2"]
+    cp = run_tree(cmd, env={"JITCKPT_FAULT": f"{lose.format(0)};{lose.format(1)}"}, timeout=420, cwd=out)
+    job = Job(cp.returncode, cp.stdout, jit, out)
+    assert job.returncode == 0, job.output[-4000:]
+    det = job.of("hang_detected")
+    assert len(det) == 1 and det[0]["kind"] == "lost", det
+    # every rank's bound stayed near the floor: the wait was found within ~1 s, where a bound that
+    # had learned the saves (5 x 2 s) would have let it run 10 s
+    assert det[0]["bound_s"] < 2.0 and max(det[0]["waiting"].values()) < 3.0, det
+    exits = {e["rank"]: e["exitcode"] for e in job.events() if e["event"] == "worker_exit"}
+    assert exits == {0: 75, 1: 75}, exits  # both asked to save, both saved
+    recs = job.of("recovery")
+    assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, recs
+    for r in (0, 1):
+        assert_same_state(ref / f"final-{r}.pt", out / f"final-{r}.pt")

@@ -9,6 +9,14 @@ same sequence of them) and its duration feeds the hang bound
 (hang/status.py) says whether the rank waits, since when, and under which
 bound; the agent does the rest (launcher/recovery/hang.py).
 
+Work set aside (``aside``: a periodic checkpoint, an evaluation, a delay the
+script announced) is not learned: its time is taken out of the minibatch it
+falls in, the waits inside it and the first wait after it (where a faster
+rank catches up with a slower one's) are not observed, and that wait's time
+is taken out of its minibatch as well. Otherwise one rank's
+6 s save every 20 minibatches would be the high quantile of every rank's
+window, and a rank stopped later would be found after 30 s, not 1 s.
+
 Main thread, except ``beat`` (the watcher thread).
 """
 
@@ -55,6 +63,10 @@ class Waits:
         self._group = WORLD
         self._since = 0.0
         self._bounds: dict[str, float] = {}
+        self._aside = 0  # depth of aside regions
+        self._aside_t0 = 0.0  # when the outermost one began, or the minibatch start inside it
+        self._aside_s = 0.0  # set-aside seconds in the current minibatch
+        self._skip_wait = False  # the first wait after an aside region: not learned
         self._refresh()
 
     def _refresh(self) -> None:
@@ -85,16 +97,27 @@ class Waits:
         self._depth -= 1
         if self._depth:
             return
-        self.model.observe_wait(self._group, time.monotonic() - self._since)
+        if not self._aside:
+            waited = time.monotonic() - self._since
+            if self._skip_wait:
+                self._aside_s += waited  # the catching up is the aside's time too, in the same minibatch
+            else:
+                self.model.observe_wait(self._group, waited)
+            self._skip_wait = False
         self.status.wait_since = 0.0
         self.status.flush()
 
     def minibatch(self, seconds: float | None, steps: int) -> None:
         """A minibatch ended (``seconds``: its duration, None for the first)."""
+        if self._aside:  # a start inside an aside region: its part so far belongs to the minibatch ending
+            now = time.monotonic()
+            self._aside_s += now - self._aside_t0
+            self._aside_t0 = now
         if seconds is not None:
-            self.model.observe_minibatch(seconds)
+            self.model.observe_minibatch(max(0.0, seconds - self._aside_s))
         else:
             self.model.minibatches += 1
+        self._aside_s = 0.0
         n = self.model.minibatches
         if n <= REFRESH_EVERY * 2 or n % REFRESH_EVERY == 0:  # a few sorts of 200 numbers: not every step
             self._refresh()
@@ -106,13 +129,28 @@ class Waits:
         self.status.beat()
 
     @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Work the hang bound must not learn (see the module docstring). Main thread."""
+        self._aside += 1
+        if self._aside == 1:
+            self._aside_t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._aside -= 1
+            if not self._aside:
+                self._aside_s += time.monotonic() - self._aside_t0
+                self._skip_wait = True
+
+    @contextmanager
     def delay(self, seconds: float) -> Iterator[None]:
         s = self.status
         before = s.delay_until
         s.delay_until = max(before, time.monotonic() + seconds)
         s.flush()
         try:
-            yield
+            with self.aside():
+                yield
         finally:
             s.delay_until = before
             s.flush()

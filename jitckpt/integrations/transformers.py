@@ -27,6 +27,8 @@ How (tested with transformers 5.24; the private names it uses are checked at sta
   replica's values are used, with a warning: the RNG is then exact only where the ranks'
   streams are equal (``set_seed`` on every rank, Trainer's default), the next logged loss is
   not.
+* Trainer's periodic saves and evaluations are set aside from the hang bound's learning: a
+  slow rank-0 save does not make a later hang take minutes to be found.
 * The user's own ``resume_from_checkpoint`` is honoured: the newer of it and the JIT
   checkpoint (by ``global_step``) is loaded, one of them, once.
 
@@ -37,6 +39,7 @@ set: the callbacks' states are restored in place from the JIT checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -142,9 +145,14 @@ class JitCallback(TrainerCallback):
                      learning_rate=None):
             cb._end = {"grad_norm": grad_norm, "epoch": epoch, "learning_rate": learning_rate,
                        "control": dict(self.control.state()["args"])}
+            # a periodic save (rank 0's files take longest) or an evaluation: not what a minibatch
+            # or a wait takes, so not learned into the hang bound (jitckpt/hang/waits.py)
+            waits = api._get_runtime().waits
+            heavy = waits is not None and (self.control.should_save or self.control.should_evaluate)
             try:
-                return orig(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
-                            learning_rate=learning_rate)
+                with waits.aside() if heavy else contextlib.nullcontext():
+                    return orig(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                learning_rate=learning_rate)
             finally:
                 cb._end = None
 
