@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import config, layout
+from .listeners import Event
 from .runtime import Runtime, SaveFn
 from .verify.consistency import FRESH
 
@@ -64,8 +65,10 @@ def _attach_intercept(rt: Runtime) -> None:
         return
     if intercept.loaded():
         intercept.set_hang_handler(rt._on_hang)
-        rt.on_minibatch_begin = intercept.minibatch_begin
-        rt.shim_optimizer = intercept.optimizer_marks()
+        rt.listeners.add(Event.MINIBATCH_BEGIN, intercept.minibatch_begin)
+        begin, end = intercept.optimizer_marks()
+        rt.listeners.add(Event.OPTIMIZER_BEGIN, begin)
+        rt.listeners.add(Event.OPTIMIZER_END, end)
 
 
 def register(save_fn: SaveFn, *, shard: str | int | None = None) -> None:

@@ -44,6 +44,7 @@ from datetime import timedelta
 from . import contract, torch_compat
 from .collective_errors import find_collective_error, is_collective_error
 from .config import shim_preloaded
+from .listeners import Event
 from .runtime import Phase, Runtime
 from .torch_compat import set_pg_timeout
 from .torch_compat.worker import patch_ddp_pre_forward, patch_env_rendezvous, process_groups
@@ -189,7 +190,7 @@ def install(rt: Runtime, detect: bool = True) -> None:
     torch_compat.patch(dist.Work, "wait", lambda fn: _wait_guard(rt, fn))
 
     pg_timeout = contract.pg_timeout_s(rt.cfg.timeout_s, shim_preloaded(), fixed=rt.waits is None)
-    rt.on_training_start = functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout))
+    rt.listeners.add(Event.TRAINING_START, functools.partial(_arm_timeouts, timedelta(seconds=pg_timeout)))
 
     prev_hook = sys.excepthook
 

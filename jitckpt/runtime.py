@@ -53,6 +53,7 @@ from . import config as _config
 from . import contract, import_record, layout, parent_death, save_space
 from . import faults as _faults
 from .collective_errors import find_collective_error
+from .listeners import Event, Listeners
 
 SaveFn = Callable[[str], None]
 
@@ -88,18 +89,9 @@ class Runtime:
         self._counted = True
         self._checked = False
         self.reporter = None
-        self.on_training_start: Callable[[], None] | None = None
-        # libintercept's replay log is cleared here when the shim is loaded
-        self.on_minibatch_begin: Callable[[], None] | None = None
-        # libintercept's optimizer phase marks (begin, end): a device fault before begin
-        # is replayed in place by the shim (JITCKPT_ON_HANG=recover), one after it is not
-        self.shim_optimizer: tuple[Callable[[], None], Callable[[], None]] | None = None
-        # resume.resumable(): snapshot (and after a restart, restore) RNG, counters and data
-        # position at each minibatch start, before a deferred save that needs the snapshot
-        # (provisional: reached at a collective after a step, which the next training forward may redo)
-        self.on_minibatch_start: Callable[[bool], None] | None = None
-        # ec_snapshot (--jit-ec-every): at a minibatch start after a step, where the state is consistent
-        self.on_snapshot: Callable[..., None] | None = None
+        # the parts that act at the minibatch boundary and the optimizer step (listeners.py): the
+        # shim's replay log and phase marks, the groups' timeouts, resume, integrations, EC snapshots
+        self.listeners = Listeners()
         self.verifier = None  # verifier.Verifier: the replicas' state checks (jitrun only)
         self.plan = cfg.plan  # what to restore; an EC decode turns it into its step or its fallback (api)
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
@@ -175,17 +167,14 @@ class Runtime:
     # -- phase hooks (main thread) -----------------------------------------
 
     def _training_started(self) -> None:
-        if self.on_minibatch_begin is not None:
-            # The shim's replay log starts with the first minibatch, not with the
-            # set-up before it (which could overflow it and can never be replayed).
-            self.on_minibatch_begin()
+        # the shim's replay log starts with the first minibatch, not with the set-up before it
+        # (which could overflow it and can never be replayed)
+        self.listeners.fire(Event.MINIBATCH_BEGIN)
         if self.reporter is not None and not self._checked:
             self._checked = True
             self._check_same_state()
             import_record.at_training_start(self.cfg.root)
-        if self.on_training_start is not None:
-            fn, self.on_training_start = self.on_training_start, None
-            fn()
+        self.listeners.fire_once(Event.TRAINING_START)
 
     def _minibatch_start(self, collective: bool, provisional: bool | None = None) -> None:
         """The hooks of the minibatch boundary, for resume (RNG, counters,
@@ -200,11 +189,10 @@ class Runtime:
             from .migrate_worker import migration_point
 
             migration_point(self)
-        if self.on_minibatch_start is not None:
-            self.on_minibatch_start(provisional)
+        self.listeners.fire(Event.MINIBATCH_START, provisional)
 
     def _start_tail(self, post: bool, collective: bool) -> None:
-        if self.verifier is None and (self.on_snapshot is None or not post):
+        if self.verifier is None and (not post or not self.listeners.has(Event.SNAPSHOT)):
             return
         # Inside a DDP forward the phase is already FWD; the checks and the snapshot run as at
         # the start itself, where a trigger (a SIGTERM while the replicas roll back) is deferred.
@@ -215,8 +203,8 @@ class Runtime:
         try:
             if self.verifier is not None:  # before an EC snapshot: it must not stage an unverified state
                 self.verifier.at_minibatch_start(collective, post)
-            if self.on_snapshot is not None and post:
-                self.on_snapshot(collective)
+            if post:
+                self.listeners.fire(Event.SNAPSHOT, collective)
         finally:
             if inside:
                 with self._lock:
@@ -323,11 +311,10 @@ class Runtime:
                 self._definite = True
 
     def on_optimizer_pre(self) -> None:
-        if self.shim_optimizer is not None:
-            # Before the phase becomes OPT: in recover mode the shim waits here for the
-            # minibatch's collectives, and a fault it then cannot recover calls _on_hang
-            # while the state is still the minibatch start, so the JIT save runs at once.
-            self.shim_optimizer[0]()
+        # Before the phase becomes OPT: in recover mode the shim waits here for the
+        # minibatch's collectives, and a fault it then cannot recover calls _on_hang
+        # while the state is still the minibatch start, so the JIT save runs at once.
+        self.listeners.fire(Event.OPTIMIZER_BEGIN)
         with self._lock:
             if self.saving:
                 parked = True
@@ -341,8 +328,7 @@ class Runtime:
         self.injector.maybe_fire("optimizer", self.steps_done)
 
     def on_optimizer_post(self) -> None:
-        if self.shim_optimizer is not None:
-            self.shim_optimizer[1]()
+        self.listeners.fire(Event.OPTIMIZER_END)
         with self._lock:
             if not self._counted:
                 self._counted = True
@@ -359,8 +345,7 @@ class Runtime:
             self._resumed_reported = True
             if self.cfg.attempt > 0:  # first minibatch done after a restart
                 self.report("resumed", step=self.steps_done - 1, restored=self.restored)
-        if self.on_minibatch_begin is not None:
-            self.on_minibatch_begin()
+        self.listeners.fire(Event.MINIBATCH_BEGIN)
         self.injector.maybe_fire("post-step", self.steps_done - 1)
 
     # -- triggers ------------------------------------------------------------
@@ -468,9 +453,9 @@ class Runtime:
             return
         self._claim_save()
         reason = self.deferred
-        if self.on_minibatch_start is not None:
+        if self.listeners.has(Event.MINIBATCH_START):
             try:
-                self.on_minibatch_start(True)
+                self.listeners.fire(Event.MINIBATCH_START, True)
             except BaseException as e:
                 self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
                 traceback.print_exc()
@@ -489,8 +474,7 @@ class Runtime:
             self.report("checkpoint_skipped", why="the script ended inside an optimizer step")
             return
         try:
-            if self.on_minibatch_start is not None:
-                self.on_minibatch_start()
+            self.listeners.fire(Event.MINIBATCH_START, False)
             if self.save_fn is None:
                 self.report("checkpoint_skipped", why="no save_fn registered (jitckpt.register)")
             else:

@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402,F401 - imported, as in a Trainer job: its RNG i
 import torch  # noqa: E402
 
 from jitckpt.integrations import _rank_state  # noqa: E402
-from jitckpt.resume_data import _portable, _rng_snapshot  # noqa: E402
+from jitckpt.resume.data import _portable, _rng_snapshot  # noqa: E402
 
 SCALARS = {"total_loss_scalar": 41.25, "globalstep_last_logged": 45, "current_flos": 1.2e9, "initial_global_step": 0,
            "initial_tokens": 0, "tr_loss": 3.5,

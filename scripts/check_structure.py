@@ -4,11 +4,14 @@ import cycle between the modules of either package (imports inside
 functions count: a cycle hidden that way is still a cycle), and one
 import name for the launcher package: ``jitrun`` (its directory's name,
 ``launcher``, imports only from a checkout's root and would load every
-module a second time beside the installed ``jitrun`` ones)."""
+module a second time beside the installed ``jitrun`` ones), and every
+sub-package listed in pyproject.toml's packages (an editable install finds
+one that is not; a wheel leaves it out)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -191,6 +194,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def unlisted_packages() -> list[str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([a-z_.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1)))
+    out = []
+    for pkg, d in PACKAGES.items():
+        for init in sorted(d.rglob("__init__.py")):
+            name = ".".join([pkg, *init.parent.relative_to(d).parts])
+            if name not in listed:
+                out.append(f"pyproject.toml: package {name} ({init.parent.relative_to(ROOT)}) is not in "
+                           "[tool.setuptools] packages: a wheel would leave it out; add it")
+    return out
+
+
 def main() -> int:
     mods = modules()
     known = set(mods)
@@ -218,6 +234,7 @@ def main() -> int:
     for comp in cycles(graph):
         problems.append("import cycle: " + " <-> ".join(comp))
     problems += launcher_imports()
+    problems += unlisted_packages()
     for p in problems:
         print(p)
     print(f"check_structure: {len(mods)} modules, {len(problems)} problem(s)")

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--mesh", default="2x2")
     ap.add_argument("--out", required=True)
     ap.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
-    ap.add_argument("--selfcheck", default="", help="directory: check resume_sharded's save/load here, at the end")
+    ap.add_argument("--selfcheck", default="", help="directory: check resume.sharded's save/load here, at the end")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -110,7 +110,7 @@ def selfcheck(model, opt, args, rank: int, world: int) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from jitckpt import resume_sharded
+    from jitckpt.resume import sharded as resume_sharded
 
     sh = resume_sharded.ShardedState(model, [opt], rank, world)
     tensors, meta = sh.collect()

@@ -25,6 +25,7 @@ from jitckpt import contract  # noqa: E402
 from jitckpt.ec import files as ec_files  # noqa: E402
 from jitckpt.ec import pack as ec_pack  # noqa: E402
 from jitckpt.ec import snapshot as ec_snapshot  # noqa: E402
+from jitckpt.listeners import Event  # noqa: E402
 
 
 def _content(rank: int, step: int) -> dict[str, bytes]:
@@ -64,7 +65,7 @@ def worker_snap(steps: int, every: int) -> None:
     rt.save_fn = save_fn
     os.environ[contract.EC_EVERY.name] = str(every)  # as jitrun --jit-ec-every passes it
     snap = ec_snapshot.install(rt)
-    assert snap is not None and rt.on_snapshot is not None
+    assert snap is not None and rt.listeners.has(Event.SNAPSHOT)
     for step in range(1, steps + 1):
         rt.steps_done = step
         rt.phase = Phase.POST
@@ -394,7 +395,7 @@ def test_default_off_installs_nothing(monkeypatch):
     rt = Runtime(config.from_env())
     for every in ("", "0"):
         monkeypatch.setenv("JITCKPT_EC_EVERY", every)
-        assert ec_snapshot.install(rt) is None and rt.on_snapshot is None
+        assert ec_snapshot.install(rt) is None and not rt.listeners.has(Event.SNAPSHOT)
 
 
 @pytest.mark.parametrize("argv,msg", [

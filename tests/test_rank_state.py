@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from jitckpt.integrations import _rank_state as rs
-from jitckpt.resume_data import _portable, _rng_snapshot
+from jitckpt.resume.data import _portable, _rng_snapshot
 
 SCALARS = {"total_loss_scalar": 1.5, "globalstep_last_logged": 5, "current_flos": 12.0, "tr_loss": 0.25,
            "best": None, "flag": True, "huge": 2**70,

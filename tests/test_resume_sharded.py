@@ -25,7 +25,8 @@ import pytest
 import torch
 from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
-from jitckpt import layout, resume_sharded
+from jitckpt import layout
+from jitckpt.resume import sharded as resume_sharded
 
 TRAIN = ROOT / "tests" / "sharded_train.py"
 STEPS = 12

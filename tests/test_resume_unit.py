@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jitckpt import api, hooks, layout, resume, resume_data
+from jitckpt import api, hooks, layout, resume
+from jitckpt.listeners import Event
+from jitckpt.resume import data as resume_data
 
 ENV = ("JITCKPT_DIR", "JITCKPT_JOB_ID", "JITCKPT_TOKEN", "JITCKPT_RESTORE_STEP", "JITCKPT_FAULT",
        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LD_PRELOAD")
@@ -162,7 +164,7 @@ def test_resumable_restores_everything_from_a_replica(tmp_path, monkeypatch):
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg_sq"], opt2.state_dict()["state"][0]["exp_avg_sq"])
     assert sched2.state_dict() == sched.state_dict()
     torch.manual_seed(1234)  # drawn between restore and the first minibatch (a loader seed): must not matter
-    api._get_runtime().on_minibatch_start()
+    api._get_runtime().listeners.fire(Event.MINIBATCH_START, False)
     assert torch.equal(torch.rand(5), want_rng)
 
 

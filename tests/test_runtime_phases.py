@@ -20,6 +20,7 @@ from jitckpt.collective_errors import find_collective_error, is_collective_error
 from jitckpt.config import WorkerConfig
 from jitckpt.contract import RestorePlan
 from jitckpt.faults import InjectedFault
+from jitckpt.listeners import Event
 from jitckpt.runtime import Phase, Runtime
 
 
@@ -93,11 +94,35 @@ def test_optimizer_without_forward_counts_each_step(rt):
 
 def test_training_start_callback_runs_once(rt):
     calls = []
-    rt.on_training_start = lambda: calls.append(1)
+    rt.listeners.add(Event.TRAINING_START, lambda: calls.append(1))
     rt.on_forward()
     rt.on_forward()
     _minibatch(rt)
     assert calls == [1]
+
+
+def test_listeners_in_order_first_first_and_removable_while_called():
+    from jitckpt.listeners import Listeners
+
+    seen: list[str] = []
+    ls = Listeners()
+
+    def once(p: bool) -> None:
+        ls.remove(Event.MINIBATCH_START, once)
+        seen.append(f"once-{p}")
+
+    ls.add(Event.MINIBATCH_START, lambda p: seen.append(f"a-{p}"))
+    ls.add(Event.MINIBATCH_START, lambda p: seen.append(f"b-{p}"))
+    ls.add(Event.MINIBATCH_START, once, first=True)
+    ls.fire(Event.MINIBATCH_START, True)
+    ls.fire(Event.MINIBATCH_START, False)
+    assert seen == ["once-True", "a-True", "b-True", "a-False", "b-False"]
+    ls.remove(Event.MINIBATCH_START, once)  # gone already: nothing to do
+    assert not ls.has(Event.SNAPSHOT) and ls.has(Event.MINIBATCH_START)
+    ls.add(Event.TRAINING_START, lambda: seen.append("t"))
+    ls.fire_once(Event.TRAINING_START)
+    ls.fire_once(Event.TRAINING_START)
+    assert seen[-1] == "t" and seen.count("t") == 1 and not ls.has(Event.TRAINING_START)
 
 
 def test_collective_in_post_starts_next_minibatch(rt):
@@ -234,7 +259,7 @@ def test_collective_error_in_the_optimizer_step_leaves_unsaved(managed):
 def test_collective_error_after_the_step_is_saved_at_the_script_end(managed):
     rt = managed
     snapshots = []
-    rt.on_minibatch_start = lambda provisional=False: snapshots.append(rt.steps_done)
+    rt.listeners.add(Event.MINIBATCH_START, lambda provisional=False: snapshots.append(rt.steps_done))
     _minibatch(rt)
     err = RuntimeError(PEER_GONE)
     rt.on_collective_error(err)  # e.g. a Work.wait after the step: deferred to the next minibatch start

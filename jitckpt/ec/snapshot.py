@@ -1,7 +1,7 @@
 """Erasure-coded in-memory snapshots on peer nodes: the worker's side (where the
 chunks live and the node inventory are ``ec_files``; the memory cap ``ec_memory``).
 
-Every ``JITCKPT_EC_EVERY`` minibatches, at the start of a minibatch (``Runtime.on_snapshot``, called where the
+Every ``JITCKPT_EC_EVERY`` minibatches, at the start of a minibatch (the runtime's ``Event.SNAPSHOT``, called where the
 state is consistent), the registered save_fn writes into a private tmpfs staging directory; a background thread
 packs it (``ec_pack.pack_dir``), encodes it with ``ec.Codec(k, m)`` and places the k + m chunks of this rank's
 stripe on distinct nodes' ``/dev/shm/jitckpt-<job>/ec/`` over a gloo group of its own (``ec_group``), so a chunk
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import contract, layout
+from ..listeners import Event
 from . import files as ec_files
 from . import memory as ec_memory
 from . import pack as ec_pack
@@ -465,7 +466,7 @@ def install(rt: Runtime) -> Snapshotter | None:
     import atexit
 
     snap = Snapshotter(rt, every, code)
-    rt.on_snapshot = snap.on_snapshot
+    rt.listeners.add(Event.SNAPSHOT, snap.on_snapshot)
     atexit.register(snap.drain)
     _snapshotter = snap
     return snap

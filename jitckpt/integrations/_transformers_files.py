@@ -24,7 +24,7 @@ def _write_model(trainer: Any, ckpt_dir: str) -> None:
 
 
 def _trainer_rng(snap: dict) -> dict:
-    """resume_data's RNG snapshot in the form Trainer's ``_save_rng_state`` writes."""
+    """resume.data's RNG snapshot in the form Trainer's ``_save_rng_state`` writes."""
     out: dict[str, Any] = {"python": snap["random"], "cpu": snap["torch"]}
     if "numpy" in snap:
         name, keys, pos, has_gauss, gauss = snap["numpy"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import api
+from ..listeners import Event
 from ..refusal import refuse
 from ..resume import resumable as _resumable
 from ._hosts import TRAINER_HINT, inside_trainer_train
@@ -87,13 +88,10 @@ def resumable(accelerator: Any, *, state: dict | None = None, shard: str | int |
 def _check_at_first_minibatch(rt: Any, accelerator: Any, known: dict[str, list], given: list) -> None:
     """Once, where the loop has created everything it will (a scheduler may be made after this
     call): refuse the job if the save would leave something out."""
-    prev = rt.on_minibatch_start
-
     def first(provisional: bool = False) -> None:
-        rt.on_minibatch_start = prev
+        rt.listeners.remove(Event.MINIBATCH_START, first)
         why = _unseen(accelerator, known, given)
         if why is not None:
             refuse(f"jitckpt accelerate.resumable: {why}")
-        prev(provisional)
 
-    rt.on_minibatch_start = first
+    rt.listeners.add(Event.MINIBATCH_START, first, first=True)  # before resume's snapshot

@@ -54,7 +54,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from .. import api
-from ..resume_data import _portable, _rng_restore, _rng_snapshot
+from ..listeners import Event
+from ..resume.data import _portable, _rng_restore, _rng_snapshot
 from . import _rank_state
 from ._transformers_files import RANK_FILE, SHARED_FILE, write_checkpoint
 
@@ -199,14 +200,7 @@ class JitCallback(TrainerCallback):
             raise RuntimeError("jitckpt JitCallback: train() is called once per process under jitrun")
         self._writer = _rank_state.Writer(_rank_state.path_for(rt.cfg.root, rt.cfg.rank))
         api.register(self._save)
-        prev = rt.on_minibatch_start
-
-        def at_start(provisional: bool = False) -> None:
-            if prev is not None:
-                prev(provisional)
-            self._snapshot(rt.steps_done, provisional)
-
-        rt.on_minibatch_start = at_start
+        rt.listeners.add(Event.MINIBATCH_START, lambda provisional=False: self._snapshot(rt.steps_done, provisional))
         return self._choose(api.get_checkpoint_path(), user)
 
     def _choose(self, jit: str | None, user: Any) -> Any:

@@ -140,7 +140,7 @@ _ALLOWED = {
 
 def _enum_member(obj: Any, name: str) -> Any:
     # pickle spells an enum member as builtins.getattr(EnumClass, "NAME"); only that is allowed
-    from .torch_compat.worker import dcp_mem_format_encoding
+    from ..torch_compat.worker import dcp_mem_format_encoding
 
     if obj is not dcp_mem_format_encoding() or not isinstance(name, str) or name.startswith("_"):
         raise pickle.UnpicklingError(f"DCP metadata: getattr({obj!r}, {name!r}) is not allowed")
@@ -211,7 +211,7 @@ class ShardedState:
     def __init__(self, model: Any, optimizers: list[Any], rank: int = 0, world: int = 1) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        from .torch_compat.worker import dcp_fqns
+        from ..torch_compat.worker import dcp_fqns
 
         dt = _dtensor_cls()
         self.model = model

@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
-from . import api
-from .refusal import refuse
-from .resume_data import (
+from .. import api
+from ..listeners import Event
+from ..refusal import refuse
+from .data import (
     _is_lookahead_adapter,
     _LoaderTracker,
     _LookaheadTracker,
@@ -102,7 +103,7 @@ class _Session:
         self.snap: dict | None = None  # taken at the start of the current minibatch
         self.pending_rng: dict | None = None  # to restore at the first resumed minibatch start
         self.restored_step: int | None = None
-        self.sharded: Any = None  # resume_sharded.ShardedState: an FSDP2 model and its optimizers
+        self.sharded: Any = None  # sharded.ShardedState: an FSDP2 model and its optimizers
 
     # runtime hook: the start of a minibatch (before a deferred JIT save)
     def on_minibatch_start(self, provisional: bool = False) -> None:
@@ -247,7 +248,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
     state = {} if state is None else state
     if not isinstance(state, dict):
         raise TypeError(f"jitckpt.resumable: state must be a dict of counters, got {type(state).__name__}")
-    from . import resume_sharded
+    from . import sharded as resume_sharded
 
     sharded_model = model if model is not None and resume_sharded.is_sharded(model) else None
     objects = _collect(model=None if sharded_model is not None else model,
@@ -266,7 +267,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
             shard = session.sharded.shard
         api.register(session.save, shard=shard)
         rt = api._get_runtime()
-        rt.on_minibatch_start = session.on_minibatch_start
+        rt.listeners.add(Event.MINIBATCH_START, session.on_minibatch_start)
         _install_step_hook()
         _track(model, optimizer)
         _session = session
@@ -283,7 +284,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
 
 
 def _refuse_inside_trainer() -> None:
-    from .integrations._hosts import TRAINER_HINT, inside_trainer_train
+    from ..integrations._hosts import TRAINER_HINT, inside_trainer_train
 
     if api._get_runtime().cfg.managed and inside_trainer_train():
         refuse("jitckpt.resumable cannot restore a transformers Trainer's step counters, epoch and log "
@@ -292,7 +293,7 @@ def _refuse_inside_trainer() -> None:
 
 def _track(model: Any, optimizer: Any) -> None:
     """The state the replicas compare (verify/verifier.py): an FSDP2 model has no DDP wrapper to be seen by."""
-    from . import buffers, tracked
+    from .. import buffers, tracked
 
     rt = api._get_runtime()
     for m in _as_list(model):
@@ -312,7 +313,7 @@ def _capture(rt: Any, mirror: Any, mod: Any) -> None:
 
 def _collect(*, model: Any, optimizer: Any, scheduler: Any, scaler: Any, stateful: dict[str, Any]) -> dict[str, Any]:
     """Name -> object whose state_dict the save writes (a sharded model and its optimizers are
-    resume_sharded's: per-shard DCP files, so the caller passes None for them)."""
+    resume.sharded's: per-shard DCP files, so the caller passes None for them)."""
     objects: dict[str, Any] = {}
 
     def add(name: str, obj: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .refusal import refuse
+from ..refusal import refuse
 
 # -- RNG ---------------------------------------------------------------------
 
