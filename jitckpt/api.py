@@ -191,8 +191,31 @@ def get_checkpoint_path() -> str | None:
         rep = layout.pick_replica(replicas, used, rt.shard, prefer_rank=cfg.rank)
     if rep is None:
         return None
+    if rep.rank != cfg.rank and not rt.keeps_rank_state:
+        _warn_other_ranks_files(rep, cfg.rank)
     rt.steps_done = rep.step if claimed is None else claimed
     rt.restored = True
     rt.loaded = rt.steps_done
     rt.loaded_path = str(rep.path)
     return rt.loaded_path
+
+
+def _warn_other_ranks_files(rep: layout.Replica, rank: int) -> None:
+    """This rank's own replica did not survive (it failed): it restores from a peer's, where
+    files the save_fn wrote for that peer alone are the peer's, not this rank's."""
+    theirs = layout.named_for_rank(rep, rep.rank)
+    if not theirs:
+        return
+    shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+    print(f"[jitckpt] rank {rank}: WARNING: restoring from rank {rep.rank}'s replica (this rank's own did not "
+          f"survive); {shown} there look like rank {rep.rank}'s own files, so state this rank keeps for itself "
+          f"(its RNG, say) comes from rank {rep.rank} or not at all. Keep per-rank state with jitckpt.resumable "
+          f"or JitCallback (they keep each rank's own on its node), or make it the same on every rank",
+          file=sys.stderr, flush=True)
+
+
+def keeps_rank_state() -> None:
+    """Said by jitckpt's own save functions (``resumable``, ``JitCallback``), which keep each
+    rank's own state on its node and restore it from there: no warning about a peer's files."""
+    _get_runtime().keeps_rank_state = True
+

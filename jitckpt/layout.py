@@ -496,3 +496,16 @@ def pick_replica(replicas: list[Replica], step: int, shard: str, prefer_rank: in
         return None
     cands.sort(key=lambda r: (r.rank != prefer_rank, -r.saved_at, r.rank))
     return cands[0]
+
+
+def named_for_rank(replica: Replica, rank: int) -> list[str]:
+    """Files of ``replica`` whose names say they belong to ``rank`` alone (``rng_state_0.pth``,
+    ``rank0/...``, ``opt-rank-0.pt``): what a rank restoring from another rank's replica does
+    not get for itself. A guess from the names: a false match costs a warning line only."""
+    mark = re.compile(rf"(?:^|[^0-9a-z])(?:rank[_-]?)?{int(rank)}$|rank[_-]?{int(rank)}(?![0-9])", re.I)
+    try:
+        names = json.loads((replica.path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return sorted(n for n in names if any(mark.search(Path(part).stem) for part in Path(n).parts))
+

@@ -97,6 +97,7 @@ class Runtime:
         self.loaded: int | str | None = None  # what get_checkpoint_path() gave (consistency)
         self.loaded_path: str | None = None  # and where it was
         self.query_t: float | None = None  # when get_checkpoint_path() was first asked (timeline)
+        self.keeps_rank_state = False  # the save_fn is jitckpt's own (api.keeps_rank_state)
         self.step_read = False  # save_fn asked checkpoint_step() during this save
         self.injector = _faults.Injector(cfg.fault_spec, cfg.rank, cfg.attempt,
                                          announce=self._announce_fault)

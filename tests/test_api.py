@@ -7,6 +7,7 @@ still reads JITCKPT_DIR, which is what the restore tests use.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -136,6 +137,39 @@ def test_restore_prefers_own_rank(jit_dir, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("JITCKPT_RESTORE_STEP", "3")
     assert api.get_checkpoint_path() == str(layout.replica_dir(jit_dir, 3, "0", 1))
+
+
+def test_restore_from_a_peers_replica_warns_of_its_per_rank_files(jit_dir, monkeypatch, capsys):
+    """Rank 1's own replica did not survive: it gets rank 0's, whose rank-named files are
+    said to be rank 0's, once, by name."""
+    tmp = layout.staging_dir(jit_dir, 3, "0", 0)
+    for name in ("state.pt", "rng_state_0.pth", "model_10.bin"):  # 10, not 0: not rank 0's
+        (tmp / name).write_bytes(name.encode())
+    rep = layout.publish(tmp, root=jit_dir, step=3, shard="0", rank=0, world_size=2, job_id=JOB)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("JITCKPT_RESTORE_STEP", "3")
+    assert api.get_checkpoint_path() == str(rep)
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "restoring from rank 0's replica" in err, err
+    assert "rng_state_0.pth there look like rank 0's own" in err and "model_10" not in err, err
+
+
+def test_restore_from_a_peers_replica_without_per_rank_files_says_nothing(jit_dir, monkeypatch, capsys):
+    rep = _save(jit_dir, 3, 0)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("JITCKPT_RESTORE_STEP", "3")
+    assert api.get_checkpoint_path() == str(rep)
+    assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,rank,theirs", [
+    ("rng_state_0.pth", 0, True), ("rank0/opt.pt", 0, True), ("opt-rank-3.pt", 3, True),
+    ("shard_2.safetensors", 2, True), ("rank12.pt", 1, False), ("model_10.bin", 0, False),
+    ("optimizer.pt", 0, False), ("rng_state_1.pth", 0, False)])
+def test_files_named_for_a_rank(tmp_path, name, rank, theirs):
+    (tmp_path / layout.MANIFEST).write_text(json.dumps({"files": {name: {}}}))
+    rep = layout.Replica(tmp_path, 0, "0", rank, JOB, 0.0)
+    assert layout.named_for_rank(rep, rank) == ([name] if theirs else [])
 
 
 def test_restore_skips_corrupt_replica(jit_dir, monkeypatch, capsys):

@@ -200,6 +200,7 @@ class JitCallback(TrainerCallback):
             raise RuntimeError("jitckpt JitCallback: train() is called once per process under jitrun")
         self._writer = _rank_state.Writer(_rank_state.path_for(rt.cfg.root, rt.cfg.rank))
         api.register(self._save)
+        api.keeps_rank_state()
         rt.listeners.add(Event.MINIBATCH_START, lambda provisional=False: self._snapshot(rt.steps_done, provisional))
         return self._choose(api.get_checkpoint_path(), user)
 

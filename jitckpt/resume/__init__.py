@@ -266,6 +266,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
             session.sharded = resume_sharded.setup(sharded_model, _as_list(optimizer), shard, api._get_runtime())
             shard = session.sharded.shard
         api.register(session.save, shard=shard)
+        api.keeps_rank_state()
         rt = api._get_runtime()
         rt.listeners.add(Event.MINIBATCH_START, session.on_minibatch_start)
         _install_step_hook()
