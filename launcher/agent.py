@@ -12,6 +12,10 @@ the job-wide restore step) -> restart (``_restart_workers``: the scheduler
 hook, then torchrun's restart loop) -> restore (``_start_workers``: the
 chosen replica fetched here if missing; the workers load it).
 
+``recovery.failure`` holds the episode's stage as it moves along this path
+(detected, saving, stopped, decided, restarted, resumed) and the agent's
+book of episodes (the one handled, the one restarted, this round's exits).
+
 Beside it: ``recovery.reports`` (what the workers' reports say),
 ``recovery.record`` (the timeline's recovery line), ``devices.watch``
 (NVML health, lost devices), ``migration.outbound`` (``jitrun migrate``).
@@ -44,7 +48,8 @@ from .options import JitOptions, this_node
 from .preempt import Preempted, Preemption
 from .recovery import alive, episode
 from .recovery.detect import Detector
-from .recovery.episode import Episode, Failure
+from .recovery.episode import Episode
+from .recovery.failure import RecoveryBook
 from .recovery.hang import HangWatch
 from .recovery.preempted import outcome, stop_workers
 from .recovery.record import recovery_record
@@ -75,9 +80,7 @@ class JitAgent(LocalElasticAgent):
         jit_env.report_stream(self._node.node_id)  # this node's workers report to this agent only
         self._reader: ReportReader | None = None
         self._store_addr: tuple[str, int] | None = None
-        self._failure: Failure | None = None
-        self._pending: Failure | None = None  # restarted, waiting for "resumed"
-        self._exited: dict[int, int] = {}
+        self._recovery = RecoveryBook()  # the failure being handled, the one restarted, this round's exits
         self._spare_seen = False
         # torchrun sleeps monitor_interval between looks; we block in
         # _monitor_workers until an exit or a report instead (Wakeup), with
@@ -96,7 +99,7 @@ class JitAgent(LocalElasticAgent):
         self._devices = DeviceWatch(jit, self._node, events, self._wakeup.poke, self._where)
         handler = spec.rdzv_handler
         rdzv.install(handler, on_spare=self._on_spare,
-                     healthy=lambda: self._failure is None and self._worker_group.state == WorkerState.HEALTHY)
+                     healthy=lambda: self._recovery.current is None and self._worker_group.state == WorkerState.HEALTHY)
         self._dropped: set[str] = set()  # rendezvous names of nodes taken as lost (_on_lost)
         rdzv.drop_silent(handler, lambda: self._restorer.silence, self._on_lost)
         self._target = start_target(rdzv.coordination_store(handler), jit, self._node, events)
@@ -115,7 +118,7 @@ class JitAgent(LocalElasticAgent):
         msgs = self._reader.poll(drain=drain)
         if absorb:
             for m in msgs:
-                self._book.absorb(m, self._failure, self._on_resumed)
+                self._book.absorb(m, self._recovery.current, self._on_resumed)
             self._restorer.share(self._book, self._round)
         return msgs
 
@@ -142,8 +145,7 @@ class JitAgent(LocalElasticAgent):
         self._hang.post = lambda fields: Reporter(self._worker_store(worker_group), self._jit.token, None).send(
             "hang_suspect", node=self._node.node_id, attempt=self._round, **fields)
         self._hang.silent_nodes = lambda: self._restorer.silent_peers(self._round, worker_group.group_world_size)
-        if self._pending is not None:
-            self._pending.rdzv_t = time.time()
+        self._recovery.rendezvous_done(time.time())
         self._restorer.join_round(rdzv.coordination_store(handler), self._round, worker_group.group_rank,
                                   rdzv.node_name(handler))
         self._events.emit("rendezvous", round=self._round, group_rank=worker_group.group_rank,
@@ -243,9 +245,9 @@ class JitAgent(LocalElasticAgent):
         failed = self._detector.check(msgs, codes, procs, coord is not None and coord.failed(self._round), hung,
                                       peers_finished=lambda: coord is not None and coord.some_finished(self._round))
         if failed:
-            self._failure = failed
+            self._recovery.detected(failed)
         for m in msgs:
-            self._book.absorb(m, self._failure, self._on_resumed)
+            self._book.absorb(m, self._recovery.current, self._on_resumed)
         self._restorer.share(self._book, self._round)
         if failed:
             return self._handle_failure(worker_group)
@@ -279,13 +281,13 @@ class JitAgent(LocalElasticAgent):
     # -- the failure episode --------------------------------------------------------
 
     def _handle_failure(self, wg: WorkerGroup) -> RunResult:
-        f = self._failure
+        f = self._recovery.current
         assert f is not None
         coord = self._restorer.coord
         if coord is not None:
             coord.handling(self._round)
         procs = self._procs(wg)
-        Episode(f, procs, exited=self._exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
+        Episode(f, procs, exited=self._recovery.exited, shards=self._book.local_shards(), timeout_s=self._jit.timeout_s,
                 save_timeout_s=self._jit.save_timeout_s, wait=self._wakeup.wait, poll=lambda: self._poll(wg),
                 events=self._events, check=self._preempt.check).run()
         # what a rank killed inside its save left (a save that failed removed its own)
@@ -303,17 +305,17 @@ class JitAgent(LocalElasticAgent):
         else:
             finished, static_lost = self._restorer.choose(
                 f, round_=self._round, group_world_size=wg.group_world_size, shards=self._book.shards,
-                done_ranks=self._book.done_ranks(self._exited),
-                last_alive=episode.last_alive(f, self._exited, self._book.life), poll=lambda: self._poll(wg),
+                done_ranks=self._book.done_ranks(self._recovery.exited),
+                last_alive=episode.last_alive(f, self._recovery.exited, self._book.life), poll=lambda: self._poll(wg),
                 static=rdzv.is_static(wg.spec.rdzv_handler))
             if finished:
                 # The failure came after the last minibatch of a replica of every
                 # shard: the job's result exists; restarting would redo it all.
                 self._events.emit("finished_despite_failure", failed_ranks=sorted(f.reasons),
-                                  finished_ranks=sorted(self._book.done_ranks(self._exited)))
+                                  finished_ranks=sorted(self._book.done_ranks(self._recovery.exited)))
                 print("jitrun: a rank failed after its replicas finished the job; the finished replicas' result "
                       "stands, nothing to restart", flush=True)
-                self._failure = None
+                self._recovery.finished()
                 return RunResult(state=WorkerState.SUCCEEDED, return_values={r: None for r in procs})
             if static_lost:
                 self._abort("node lost under the static rendezvous", STATIC_LOST)
@@ -346,16 +348,15 @@ class JitAgent(LocalElasticAgent):
     def _stop_preempted(self, wg: WorkerGroup) -> None:
         """This node's workers finish their JIT saves within the grace period; then the outcome."""
         self._preempt.handling = True
-        if self._failure is None:
-            self._failure = Failure(time.time())  # what the workers report from here on
+        f = self._recovery.preempted(time.time())  # what the workers report from here on
         killed: list[int] = []
         if self._pcontext is not None:
-            killed = stop_workers(self._preempt, self._procs(wg), self._failure, exited=self._exited,
+            killed = stop_workers(self._preempt, self._procs(wg), f, exited=self._recovery.exited,
                                   wait=self._wakeup.wait, poll=lambda: self._poll_quietly(wg), events=self._events)
             self._poll_quietly(wg, drain=True)
-        self.preempt_result = outcome(self._preempt, self._failure, root=self._jit.root,
+        self.preempt_result = outcome(self._preempt, f, root=self._jit.root,
                                       shards=set(self._book.local_shards().values()), killed=killed,
-                                      exited=self._exited, events=self._events)
+                                      exited=self._recovery.exited, events=self._events)
 
     def _abort(self, why: str, line: str) -> None:
         self._remaining_restarts = 0
@@ -367,19 +368,19 @@ class JitAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._preempt.check()
         self._live = False
-        f = self._failure
+        f = self._recovery.current
         spec = worker_group.spec
         restart_count = spec.max_restarts - self._remaining_restarts
         d = self._restorer.decision
         mine = d is not None and d.round == self._round and d.decided_by == self._node.node_id
         failure = describe.restart(
             self._jit.job_id, self._node, restart_count=restart_count,
-            failed_ranks=episode.failed_ranks(f, self._exited),
+            failed_ranks=episode.failed_ranks(f, self._recovery.exited),
             local_of={w.global_rank: w.local_rank for w in worker_group.workers}, bad_devices=self._devices.bad,
             all_devices=self._devices.names(worker_group), nproc=spec.local_world_size,
             reasons=f.reasons if f else {}, restore_step=f.restore_step if f else None,
             command=self._jit.command, decision=d if mine else None,
-            sdc_suspects=sorted(episode.sdc_suspects(f, self._exited)))
+            sdc_suspects=sorted(episode.sdc_suspects(f, self._recovery.exited)))
         placement = scheduler.place_or_default(self._jit.scheduler, failure, "restarting in place")
         if placement.action == "abort":
             self._events.emit("job_abort", why="scheduler hook answered abort")
@@ -389,13 +390,9 @@ class JitAgent(LocalElasticAgent):
         jit_env.placement(placement.env, placement.visible_devices)
         if restart_count == 1:  # torchrun counted this restart already
             self._hang.announce("before the first restart")
-        self._exited.clear()
-        if f is not None:
-            f.restart_t = time.time()
-            self._pending = f
+        self._recovery.restarted(time.time())  # f waits for its first minibatch; this round's exits forgotten
         self._events.emit("restart", restart_count=restart_count,
                           restore_step=f.restore_step if f else None, placement=placement.summary())
-        self._failure = None
         t0 = time.monotonic()
         st = warm.use_next()
         if st is not None:
@@ -407,14 +404,12 @@ class JitAgent(LocalElasticAgent):
         """The first minibatch after a restart finished (or a rank finished the
         job right after its restore): the deciding node writes the job's
         recovery line."""
-        f = self._pending
-        if f is None or f.restart_t is None:
+        f = self._recovery.resumed()
+        if f is None:
             return
-        self._pending = None
         d = self._restorer.decision
         if d is not None and d.decided_by != self._node.node_id:
             return
-        if f.fault_t is None:
-            f.fault_t = episode.last_alive(f, self._exited, self._book.life)
+        f.note_fault_at(episode.last_alive(f, self._recovery.exited, self._book.life))
         self._events.emit("recovery", **recovery_record(f, self._book, m["t"]))
 

@@ -110,7 +110,7 @@ class Preemption:
         """Did every rank of this node get a stop signal that the agent did not send
         (reported before the agent asked it to save, or never asked)? Then it is a
         preemption, noted as such. ``stop_reports``: a failure episode's
-        (recovery.episode.Failure), which holds its requests back a moment for
+        (recovery.failure.Failure), which holds its requests back a moment for
         this (ASK_AFTER_S)."""
         stops = [stop_reports.get(r) for r in local_ranks]
         if not local_ranks or any(s is None or s[1] >= asked.get(r, float("inf"))

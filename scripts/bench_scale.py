@@ -77,7 +77,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 from jitckpt import auth  # noqa: E402
 from jitckpt.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
 from jitrun import decide, rdzv  # noqa: E402
-from jitrun.recovery.episode import Failure  # noqa: E402
+from jitrun.recovery.failure import Failure  # noqa: E402
 from jitrun.recovery.reports import ReportBook  # noqa: E402
 
 BUCKETS = ("rdzv", "decide", "reports")

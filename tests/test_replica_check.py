@@ -13,7 +13,7 @@ import torch.distributed as dist
 from jitckpt import auth
 from jitckpt.verify import replica_check
 from jitckpt.verify.fingerprint import compute
-from jitrun.recovery.episode import Failure
+from jitrun.recovery.failure import Failure
 from jitrun.recovery.record import recovery_record, verified_fingerprint
 from jitrun.recovery.reports import ReportBook
 

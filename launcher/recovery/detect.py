@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from ..workers import Proc, is_stopped
-from .episode import Failure
+from .failure import Failure
 from .reports import ReportBook
 
 
@@ -47,13 +47,10 @@ class Detector:
                     self._events.emit("failure_detected", rank=r, reason="stopped after peers finished")
         if not (failed or reported):
             return None
-        f = Failure(time.time())
-        f.fault_t, self._fault_t = self._fault_t, None
         # the failing rank said its step before it died, possibly a poll earlier: without it a
         # recovery with no surviving reporter (every rank killed) could not say what it redid
-        f.progress, self._fault_step = self._fault_step, -1
+        f = Failure(time.time(), fault_t=self._fault_t, progress=self._fault_step)
+        self._fault_t, self._fault_step = None, -1
         for r, why in (hung or {}).items():
-            f.reasons[r] = f"hang: {why}"
-            if why in ("stopped", "deaf"):
-                f.done.add(r)  # it cannot answer the request to save: the episode does not wait for it
+            f.note_hang(r, why)
         return f

@@ -9,6 +9,7 @@ local worker gone, with as many replicas saved as the job needs.
 3. savers that published exit on their own; whatever still runs (stopped or
    hung ranks, a saver of a replica nobody needs) is SIGKILLed.
 
+The episode's stage moves DETECTED -> SAVING -> STOPPED here (failure.py).
 Agent's main thread only.
 """
 
@@ -18,42 +19,11 @@ import signal
 import time
 from collections.abc import Callable
 
-from jitckpt.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
+from jitckpt.config import EXIT_SAVED
 
 from ..preempt import ASK_AFTER_S, STOP_REASONS
 from ..workers import Proc, is_stopped
-
-
-class Failure:
-    """Book-keeping for one failure episode."""
-
-    def __init__(self, t: float) -> None:
-        self.detected_t = t
-        self.fault_t: float | None = None
-        self.saved: dict[int, dict] = {}
-        self.saving: set[int] = set()
-        self.done: set[int] = set()  # ranks that will not save (failed, skipped, exited)
-        self.reasons: dict[int, str] = {}
-        self.responded: set[int] = set()  # ranks that reported anything since the failure
-        # the step each rank last said it is at (failure_detected, save_started):
-        # a live rank ahead of the newest saved replica may still save a newer one
-        self.rank_step: dict[int, int] = {}
-        self.progress = -1
-        self.minibatch_s: list[float] = []
-        self.killed: list[int] = []
-        self.restore_step: int | None = None
-        self.restart_t: float | None = None
-        self.ckpt_done_t: float | None = None
-        self.stopped_t: float | None = None  # every worker of this node gone
-        self.rdzv_t: float | None = None  # the next round's rendezvous done
-        self.handling_since = time.monotonic()
-        self.diverged = False  # ranks loaded different states: never train on
-        self.refused = False  # a worker refused what the script asked (jitckpt/refusal.py): never restart
-        self.no_space: str | None = None  # a save failed on a full disk (jitckpt/save_space.py): its line
-        # rank -> (reason, t) of its first report of a stop signal (preempt.STOP_REASONS): a preemption
-        # when every rank of the node had one the agent did not send (launcher/preempt.py)
-        self.stop_reports: dict[int, tuple[str, float]] = {}
-
+from .failure import Failure
 
 DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint steps or states (see the workers' "
             "'REFUSING TO TRAIN' lines); no training step was taken and the job is not restarted. Check that every "
@@ -110,12 +80,12 @@ class Episode:
         self.check = check  # raises to leave the episode (a preemption: launcher/preempt.py)
 
     def run(self) -> None:
+        self.f.saving_started()
         self._ask_and_wait()
         self._kill_the_rest()
-        self.f.stopped_t = time.time()
-        self.poll()
-        if self.f.ckpt_done_t is None and self.f.saved:
-            self.f.ckpt_done_t = self.f.stopped_t
+        t = time.time()
+        self.poll()  # the reports the last savers wrote before they exited
+        self.f.stopped(t)
 
     def _note_exits(self) -> list[int]:
         """Record new exits; the ranks still running."""
@@ -123,15 +93,9 @@ class Episode:
         for r, c in codes.items():
             if c is not None and r not in self.exited:
                 self.exited[r] = c
-                self.f.done.add(r)
+                self.f.note_exit(r, c)
                 self.events.emit("worker_exit", rank=r, exitcode=c,
                                  signal=signal.Signals(-c).name if c < 0 else None)
-                if c != EXIT_SAVED:
-                    self.f.reasons.setdefault(r, f"exit {c}")
-                if c == EXIT_DIVERGED:
-                    self.f.diverged = True
-                elif c == EXIT_REFUSED:
-                    self.f.refused = True
         return [r for r, c in codes.items() if c is None]
 
     def _ask_and_wait(self) -> None:
@@ -187,7 +151,7 @@ class Episode:
                 time.sleep(0.05)
         for r, h in self.procs.items():
             if h.poll() is None:
-                f.killed.append(r)
+                f.note_killed(r)
                 h.signal(signal.SIGKILL)
         if f.killed:
             self.events.emit("ranks_killed", ranks=sorted(f.killed), signal="SIGKILL")

@@ -14,7 +14,7 @@ from jitckpt import layout
 
 from ..preempt import ASK_AFTER_S, EXIT_PREEMPTED, Preemption
 from ..workers import Proc
-from .episode import Failure
+from .failure import Failure
 
 
 def _answered(f: Failure, r: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from .episode import Failure
+from .failure import Failure
 from .reports import ReportBook
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..preempt import STOP_REASONS
-from .episode import Failure
+from .failure import Failure
 
 
 class ReportBook:
@@ -111,36 +110,4 @@ class ReportBook:
         if local:
             self._events.emit(ev, **{k: v for k, v in m.items() if k != "event"})
         if failure is not None and current:
-            self._episode_fact(failure, ev, rank, m)
-
-    def _episode_fact(self, f: Failure, ev: str, rank: int | None, m: dict) -> None:
-        if rank is not None and ev != "fault_injected":
-            f.responded.add(rank)
-        if ev == "fault_injected" and f.fault_t is None:
-            f.fault_t = m["t"]
-        if m.get("minibatch_s"):
-            f.minibatch_s.append(m["minibatch_s"])
-        if "step" in m:
-            f.progress = max(f.progress, int(m["step"]))
-            if rank is not None and ev in ("failure_detected", "save_started"):
-                f.rank_step[rank] = int(m["step"])
-        if ev == "failure_detected":
-            f.detected_t = min(f.detected_t, m["t"])
-            if m.get("reason") in STOP_REASONS and rank not in f.stop_reports:
-                f.stop_reports[rank] = (m["reason"], m["t"])
-            f.reasons.setdefault(rank, m.get("reason", "?"))
-            if m.get("reason") == "sdc_suspect":  # outranks the SIGTERM the episode may have sent it first
-                f.reasons[rank] = "sdc_suspect"
-        elif ev == "save_started":
-            f.saving.add(rank)
-        elif ev == "checkpoint_saved":
-            f.saving.discard(rank)
-            f.saved[rank] = m
-            shards = set(self.local_shards().values()) or {"0"}
-            if f.ckpt_done_t is None and shards <= {s["shard"] for s in f.saved.values()}:
-                f.ckpt_done_t = m["t"]
-        elif ev in ("checkpoint_failed", "checkpoint_skipped"):
-            f.saving.discard(rank)
-            f.done.add(rank)
-            if m.get("no_space") and f.no_space is None:
-                f.no_space = str(m.get("error", "no space for the JIT checkpoint"))
+            failure.note_report(ev, rank, m, lambda: self.local_shards().values())

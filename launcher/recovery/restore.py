@@ -21,7 +21,7 @@ from jitckpt import contract, layout
 from .. import decide, worker_env
 from ..peers import transfer
 from . import alive
-from .episode import Failure
+from .failure import Failure
 from .reports import ReportBook
 
 STATIC_LOST = ("jitrun: ABORT: the static rendezvous (--node-rank/--master-addr, or no rendezvous flags) cannot "
@@ -140,8 +140,8 @@ class Restorer:
     def choose(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
                done_ranks: set[int], last_alive: float | None, poll: Callable[[], object], static: bool,
                ) -> tuple[bool, bool]:
-        """Set the restore step (``f.restore_step`` and the workers'
-        JITCKPT_RESTORE_STEP). Returns (finished, abort): finished when every
+        """Set the restore step (``f.decided``: the episode's DECIDED stage, and the
+        workers' JITCKPT_RESTORE_STEP). Returns (finished, abort): finished when every
         shard has a replica that finished the job before the failure (nothing
         to restart); abort when a node was lost under the static rendezvous.
         Raises NodeEvicted when the job already decided without this node (it
@@ -175,7 +175,7 @@ class Restorer:
                 step = d.ec_step
             plan = decide.plan_of(d)
         self._announce(f, step, jit_steps, bool(shards))
-        f.restore_step = step
+        f.decided(step)
         worker_env.plan(plan or contract.RestorePlan(decided=True, step=step))
         return False, abort
 
@@ -220,11 +220,7 @@ class Restorer:
         won = coord.agree(round_, compute_here, final + 5.0, silent)
         poll()  # as above, for the record this node may write
         # what the other nodes' ranks reported, which only their agents read
-        f.progress = max(f.progress, won.progress)
-        if won.fault_t is not None:
-            f.fault_t = min(won.fault_t, f.fault_t or won.fault_t)
-        if f.fault_t is None and won.last_alive:
-            f.fault_t = min(won.last_alive, f.detected_t)
+        f.note_job_facts(won.progress, won.fault_t, won.last_alive)
         self.decision = won
         self._events.emit("restore_decision", round=round_, step=won.step, why=won.why, decided_by=won.decided_by,
                           lost=[n["node_id"] for n in won.lost],
