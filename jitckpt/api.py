@@ -209,13 +209,13 @@ def _warn_other_ranks_files(rep: layout.Replica, rank: int) -> None:
     shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
     print(f"[jitckpt] rank {rank}: WARNING: restoring from rank {rep.rank}'s replica (this rank's own did not "
           f"survive); {shown} there look like rank {rep.rank}'s own files, so state this rank keeps for itself "
-          f"(its RNG, say) comes from rank {rep.rank} or not at all. Keep per-rank state with jitckpt.resumable "
-          f"or JitCallback (they keep each rank's own on its node), or make it the same on every rank",
+          f"(its RNG, say) comes from rank {rep.rank} or not at all. Make such state the same on every rank, or "
+          f"(with transformers' Trainer) use JitCallback, which keeps each rank's own on its node",
           file=sys.stderr, flush=True)
 
 
 def keeps_rank_state() -> None:
-    """Said by jitckpt's own save functions (``resumable``, ``JitCallback``), which keep each
-    rank's own state on its node and restore it from there: no warning about a peer's files."""
+    """Said by a save function of jitckpt's own (``JitCallback``) that keeps each rank's own
+    state on its node and restores it from there: no warning about a peer's files."""
     _get_runtime().keeps_rank_state = True
 

@@ -221,6 +221,14 @@ def _install_step_hook() -> None:
     register_optimizer_step_post_hook(hook)
 
 
+def _join(session: _Session, shard: str | int | None) -> Any:
+    """The session's save and minibatch-start snapshot joined to the runtime."""
+    api.register(session.save, shard=shard)
+    rt = api._get_runtime()
+    rt.listeners.add(Event.MINIBATCH_START, session.on_minibatch_start)
+    return rt
+
+
 def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
               dataloader: Any = None, state: dict | None = None, shard: str | int | None = None,
               **stateful: Any) -> dict:
@@ -265,10 +273,7 @@ def resumable(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
         if sharded_model is not None:
             session.sharded = resume_sharded.setup(sharded_model, _as_list(optimizer), shard, api._get_runtime())
             shard = session.sharded.shard
-        api.register(session.save, shard=shard)
-        api.keeps_rank_state()
-        rt = api._get_runtime()
-        rt.listeners.add(Event.MINIBATCH_START, session.on_minibatch_start)
+        rt = _join(session, shard)
         _install_step_hook()
         _track(model, optimizer)
         _session = session
