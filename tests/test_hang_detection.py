@@ -78,7 +78,9 @@ def _recovered(job: Job, ref, hung_rank: int, why: str) -> dict:
     det = job.of("hang_detected")
     assert len(det) == 1, det
     d = det[0]
-    assert d["kind"] == "hang" and d["hung"] == {str(hung_rank): why} and d["lagging"] == [hung_rank], d
+    # the hung rank is named; it is also "lagging" unless it stopped inside the same collective region
+    # its peer waits in (a fault in the forward phase fires inside DDP's forward, a wait region)
+    assert d["kind"] == "hang" and d["hung"] == {str(hung_rank): why} and d["lagging"] in ([hung_rank], []), d
     assert d["bound_s"] < 10 and d["ceiling_s"] == 120, d  # learned, far below the default ceiling
     exits = _workers_exit(job)
     assert exits == {hung_rank: [-9], 1 - hung_rank: [75]}, exits  # killed; the healthy rank saved
