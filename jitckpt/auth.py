@@ -215,8 +215,9 @@ class Auth:
             return None, "its MAC does not verify under the job token (forged, or another job's)"
         return doc["v"], None
 
-    def open(self, key: str, raw: object, what: str, schema: Schema | None = None) -> Any:
-        """The verified value of ``raw`` read at ``key``, or None after one reject line."""
+    def checked(self, key: str, raw: object, what: str, schema: Schema | None = None) -> tuple[Any, str | None]:
+        """(value, None) if ``raw`` read at ``key`` verifies (and fits ``schema``), else
+        (None, why) after one reject line: :meth:`open` for callers that say why."""
         value, why = self.unseal(key, raw)
         if why is None and schema is not None:
             why = schema.problem(value)
@@ -224,8 +225,12 @@ class Auth:
                 why = f"malformed: {why}"
         if why is not None:
             reject(what, why)
-            return None
-        return value
+            return None, why
+        return value, None
+
+    def open(self, key: str, raw: object, what: str, schema: Schema | None = None) -> Any:
+        """The verified value of ``raw`` read at ``key``, or None after one reject line."""
+        return self.checked(key, raw, what, schema)[0]
 
     # -- store helpers (a TCPStore or anything with its check/get/set) --------------------------
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from . import auth, contract
+from .sealed_store import Space, space
 
 RESUME = "resume-{gen}.json"
 PAUSED = "paused-{gen}.json"
@@ -290,17 +291,10 @@ def pause(ctl_dir: str | os.PathLike, gen: int, rank: int, world_size: int, *, s
 # -- store-driven migration (jitrun migrate; protocol in jitrun.migration.control) -------------------
 
 
-def _key(token: str, *parts: object) -> str:
-    return auth.of(token).key("migrate", *parts)
-
-
-def _put(store, token: str, value: object, *parts: object) -> None:
-    auth.of(token).put(store, value, "migrate", *parts)
-
-
-def _get(store, token: str, what: str, *parts: object, schema: auth.Schema | None = None):
-    """The sealed record at ``migrate/<parts>``, or None (absent, or rejected with one line)."""
-    return auth.of(token).get(store, what, "migrate", *parts, schema=schema)
+def records(token: str) -> Space:
+    """The job-wide records of ``jitrun migrate`` (labels ``migrate/...``; the protocol is
+    listed in jitrun.migration.control)."""
+    return space(token, "migrate")
 
 
 def _ranks(rec: dict) -> str | None:
@@ -314,7 +308,7 @@ RESUME_RECORD = auth.Schema({"gen": int, "prefix": str, "store": list},
 
 
 def read_request(store, token: str, gen: int) -> dict | None:
-    return _get(store, token, f"migration request {gen}", gen, "req", schema=REQUEST)
+    return records(token).get(store, f"migration request {gen}", gen, "req", schema=REQUEST)
 
 
 class Watch:
@@ -333,26 +327,25 @@ class Watch:
     def __init__(self, store, token: str) -> None:
         self.store = store
         self.token = token
-        self.seen = int(store.add(_key(token, "gen"), 0))
+        self.seen = records(token).count(store, 0, "gen")
         self.pending: tuple[int, dict, int] | None = None
 
     def poll(self, step: int) -> tuple[int, dict] | None:
         """The request to pause for at the start of minibatch ``step``, or None."""
         if self.pending is None:
-            n = int(self.store.add(_key(self.token, "gen"), 0))
+            n = records(self.token).count(self.store, 0, "gen")
             if n <= self.seen:
                 return None
             self.seen = n
             deadline = time.monotonic() + 10
-            while not self.store.check([_key(self.token, n, "req")]):  # the requester is between add and set
+            while not self.store.check([records(self.token).key(n, "req")]):  # the requester is between add and set
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.005)
             req = read_request(self.store, self.token, n)
             if req is None:
                 return None  # not a request of the job: ignored (one line)
-            a, key = auth.of(self.token), _key(self.token, n, "at")
-            won = a.open(key, self.store.compare_set(key, "", a.seal(key, step + 1)), f"pause step of migration {n}")
+            won = records(self.token).claim(self.store, f"pause step of migration {n}", step + 1, n, "at")
             if not auth.is_a(won, int):
                 return None
             self.pending = (n, req, won)
@@ -378,10 +371,10 @@ def _wait_store_resume(store, token: str, gen: int, timeout: float | None,
                        stop: Callable[[], str | None] | None) -> dict:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        why = _get(store, token, f"failure of migration {gen}", gen, "failed")
+        why = records(token).get(store, f"failure of migration {gen}", gen, "failed")
         if isinstance(why, str):
             raise MigrationFailed(f"migration {gen} failed: {why}")
-        res = _get(store, token, f"resume of migration {gen}", gen, "resume", schema=RESUME_RECORD)
+        res = records(token).get(store, f"resume of migration {gen}", gen, "resume", schema=RESUME_RECORD)
         if res is not None:
             return res
         why = stop() if stop is not None else None
@@ -413,14 +406,14 @@ def at_minibatch_start(watch: Watch, rank: int, world_size: int, ctl_root: str |
     if rank in moving_ranks(req):
         if before_close is not None:
             before_close(gen, req)
-        _put(watch.store, token, {"step": step}, gen, "paused", rank)
+        records(token).put(watch.store, {"step": step}, gen, "paused", rank)
         watch.store = None  # the caller's Watch must not keep the connection open across the dump
         ctl = Path(ctl_root) / f"rank{rank}"
         ctl.mkdir(parents=True, exist_ok=True)
         _, store = pause(ctl, gen, rank, world_size, step=step, extra_stores=stores, timeout=timeout, stop=stop)
         return gen, req, store, Watch(store, token)
     inv = teardown(wait_sockets=False)  # not dumped: its sockets stay, by design
-    _put(watch.store, token, {"step": step, **inv}, gen, "paused", rank)
+    records(token).put(watch.store, {"step": step, **inv}, gen, "paused", rank)
     res = _wait_store_resume(watch.store, token, gen, timeout, stop)
     rebuild(res, rank, world_size)
     return gen, req, None, watch

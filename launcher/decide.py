@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from jitckpt import auth, contract, layout
+from jitckpt.sealed_store import space
 
 
 @dataclass(frozen=True)
@@ -274,14 +275,15 @@ class Coordinator:
 
     def __init__(self, store, token: str, node: NodeInfo) -> None:
         self.store = store
-        self.auth = auth.of(token)
+        self.records = space(token)  # no label prefix: the decision's keys predate the prefixes
+        self.auth = self.records.auth
         self.node = node
 
     def _k(self, *parts: object) -> str:
-        return self.auth.key(*parts)
+        return self.records.key(*parts)
 
     def _get(self, what: str, *parts: object, schema: auth.Schema | None = None):
-        return self.auth.get(self.store, what, *parts, schema=schema)
+        return self.records.get(self.store, what, *parts, schema=schema)
 
     def announce(self, round_: int, group_rank: int) -> None:
         """Say which node holds group rank ``group_rank`` in ``round_``."""
@@ -401,9 +403,8 @@ class Coordinator:
     def claim(self, round_: int) -> str | None:
         """The node id of the agent that computes ``round_``'s decision: this one if it
         asks first. None when the claim record does not verify (every agent decides)."""
-        key = self._k("round", round_, "decider")
-        raw = self.store.compare_set(key, "", self.auth.seal(key, self.node.node_id))
-        got = self.auth.open(key, raw, f"round {round_} decider claim")
+        got = self.records.claim(self.store, f"round {round_} decider claim", self.node.node_id, "round", round_,
+                                 "decider")
         return got if isinstance(got, str) else None
 
     def await_decision(self, round_: int, decider: str, until: float,

@@ -184,7 +184,7 @@ def test_migration_goes_only_to_an_agent_of_the_job(store, tmp_path):
     c = client(store)
     # an attacker announces a listener of its own for an address of its choosing
     evil = socket.create_server(("127.0.0.1", 0))
-    c.set(migrate_agent._k(TOKEN, "to", "127.0.0.1", "port"), json.dumps({"port": evil.getsockname()[1]}))
+    c.set(migrate_agent.mig(TOKEN).key("to", "127.0.0.1", "port"), json.dumps({"port": evil.getsockname()[1]}))
     images = tmp_path / "img"
     images.mkdir()
     (images / "jitckpt-manifest.json").write_text("{}")
@@ -336,8 +336,7 @@ def _target(store, root: Path) -> migrate_agent.Target:
 
 def _request(c, body: dict) -> str:
     tid = os.urandom(16).hex()
-    seq = c.add(migrate_agent._k(TOKEN, "to", "127.0.0.1", "n"), 1)
-    migrate_agent._put(c, TOKEN, {"id": tid, **body}, "to", "127.0.0.1", seq)
+    migrate_agent.requests_to(TOKEN, "127.0.0.1").send(c, {"id": tid, **body})
     return tid
 
 

@@ -52,12 +52,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from jitckpt import auth, contract, layout, migrate_worker
+from jitckpt.sealed_store import Requests, Space, StoreRecordError, space
 
 from ..events import EventLog
 from ..migration import device_loss
@@ -79,19 +80,16 @@ class MigrationError(RuntimeError):
         self.why = why
 
 
-def _k(token: str, *parts: object) -> str:
-    return auth.of(token).key("mig", *parts)
+def mig(token: str) -> Space:
+    """The agents' records of ``jitrun migrate`` (labels ``mig/...``)."""
+    return space(token, "mig")
 
 
-def _put(store, token: str, value: object, *parts: object) -> None:
-    auth.of(token).put(store, value, "mig", *parts)
+def requests_to(token: str, node: str) -> Requests:
+    """The migration requests to the :class:`Target` of ``node``."""
+    return Requests(mig(token), "to", node)
 
 
-def _get(store, token: str, what: str, *parts: object, schema: auth.Schema | None = None):
-    return auth.of(token).get(store, what, "mig", *parts, schema=schema)
-
-
-STOP = {"stop": True}
 PORT = auth.Schema({"port": int})
 ANSWER = auth.Schema({"ok": bool}, {"why": str, "pid": int, "restore_s": (int, float), "recv_s": (int, float),
                                     "node": str})
@@ -102,6 +100,14 @@ REQUEST = auth.Schema(
     {"id": str, "rank": int, "files": list, "manifest_sha256": str, "output": (str, type(None))},
     {"gen": int, "resume": dict, "ctl": str, "device": dict})
 DEVICE = auth.Schema({"dir": str, "epoch": int, "uuid": str})
+
+
+def _request_problem(req: Any) -> str | None:
+    """Why ``req`` is no migration request (its id names files and keys: 32 hex digits)."""
+    why = REQUEST.problem(req)
+    if why is None and not _TID.match(req["id"]):
+        why = f"id {req['id']!r:.40}"
+    return why
 
 
 # -- source -------------------------------------------------------------------------------
@@ -178,12 +184,11 @@ def ship(coord_store, token: str, images: Path, output: str | None, to: str, bod
     if output:
         files.append((OUTPUT, Path(output)))
     # the target is an agent of this job: it sealed its port under the job token
-    got = _get(coord_store, token, f"listening port of node {to}", "to", to, "port", schema=PORT)
+    got = mig(token).get(coord_store, f"listening port of node {to}", "to", to, "port", schema=PORT)
     if got is None:
         raise MigrationError("transfer", f"no jitrun agent of this job with --jit-migratable on listens on node {to}")
-    seq = coord_store.add(_k(token, "to", to, "n"), 1)
-    _put(coord_store, token, {"id": tid, "files": [[rel, p.stat().st_size] for rel, p in files], "output": output,
-                              "manifest_sha256": criu_manifest_sha(images), **body}, "to", to, seq)
+    requests_to(token, to).send(coord_store, {"id": tid, "files": [[rel, p.stat().st_size] for rel, p in files],
+                                              "output": output, "manifest_sha256": criu_manifest_sha(images), **body})
     sent = stream.send_stream(to, got["port"], token, tid, files, timeout_s=restore_timeout_s())
     t_sent = time.monotonic()
     return Shipped(tid, sent, t_sent, _wait_answer(coord_store, token, tid, restore_timeout_s()))
@@ -239,13 +244,14 @@ def _wait_paused(path: Path, pid: int) -> dict:
 
 
 def _wait_answer(store, token: str, tid: str, timeout_s: float) -> dict | None:
-    key = _k(token, tid, "restored")
+    """The target's answer to request ``tid``; None when none came (or the store went)."""
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except Exception:
-        return None
-    got = auth.of(token).open(key, store.get(key), f"answer of migration target for {tid}", ANSWER)
-    return got if got is not None else {"ok": False, "why": "its answer does not verify under the job token"}
+        return mig(token).wait(store, f"answer of migration target for {tid}", tid, "restored", timeout_s=timeout_s,
+                               schema=ANSWER)
+    except StoreRecordError as e:
+        if e.kind == StoreRecordError.TIMEOUT:
+            return None
+        return {"ok": False, "why": "its answer does not verify under the job token"}
 
 
 # -- remote workers, seen from the source ----------------------------------------------------
@@ -265,7 +271,7 @@ class Remote:
     def poll(self) -> int | None:
         if self._code is None:
             try:
-                code = _get(self._store, self._token, f"exit code of migrated worker {self.tid}", self.tid, "exit")
+                code = mig(self._token).get(self._store, f"exit code of migrated worker {self.tid}", self.tid, "exit")
                 if auth.is_a(code, int):
                     self._code = code
             except Exception:
@@ -282,8 +288,8 @@ class Remote:
         try:
             # one record per signal, numbered by the counter: a forged bump of the
             # counter finds no record to deliver, an old signal is never sent again
-            n = self._store.add(_k(self._token, self.tid, "signals"), 1)
-            _put(self._store, self._token, int(sig), self.tid, "signal", n)
+            n = mig(self._token).count(self._store, 1, self.tid, "signals")
+            mig(self._token).put(self._store, int(sig), self.tid, "signal", n)
         except Exception:
             pass
 
@@ -298,13 +304,12 @@ class Target:
         self._store = transfer.own_connection(store, 30.0)
         # images come straight from the source agent, on this node's job address
         self._listener = stream.listen(node)
-        _put(self._store, token, {"port": self._listener.getsockname()[1]}, "to", node, "port")
+        mig(token).put(self._store, {"port": self._listener.getsockname()[1]}, "to", node, "port")
         self._conn_of = store
         self._token = token
         self._node = node
         self._root = root
         self._events = events
-        self._seq = 1
         self._stopping = False
         self.helpers: list[subprocess.Popen] = []
         self._thread = threading.Thread(target=self._run, name="jitrun-migration-target", daemon=True)
@@ -320,43 +325,34 @@ class Target:
             if h.poll() is None:
                 h.send_signal(signal.SIGTERM)
         try:
-            seq = self._conn_of.add(_k(self._token, "to", self._node, "n"), 1)
-            _put(self._conn_of, self._token, STOP, "to", self._node, seq)
+            requests_to(self._token, self._node).stop(self._conn_of)
         except Exception:
             pass
         self._thread.join(5.0)
         self._listener.close()
 
     def _run(self) -> None:
-        while not self._stopping:
-            key = _k(self._token, "to", self._node, self._seq)
-            try:
-                self._store.wait([key], timedelta(seconds=3600))
-                raw = self._store.get(key)
-            except Exception:
-                if self._stopping:
-                    return
-                time.sleep(1.0)
-                continue
-            self._seq += 1
-            req = auth.of(self._token).open(key, raw, f"migration request {self._seq - 1} to this node")
-            if req == STOP:
-                return
-            if req is None or auth.reject_if("migration request", REQUEST.problem(req)):
-                continue
-            if not _TID.match(req["id"]):
-                auth.reject("migration request", f"malformed: id {req['id']!r:.40}")
-                continue
-            try:
-                self._restore(req)
-            except Exception as e:  # tell the source instead of leaving it waiting
-                self._answer(req["id"], {"ok": False, "why": f"{type(e).__name__}: {e}"})
-                self._events.emit("migration_failed", gen=req.get("gen"), rank=req.get("rank"), stage="restore",
-                                  error=f"{type(e).__name__}: {e}", node=self._node)
+        requests_to(self._token, self._node).serve(
+            self._store, "migration request", problem=_request_problem, handle=self._handle,
+            stopping=lambda: self._stopping, on_store_error=self._store_failed)
+
+    def _store_failed(self) -> bool:
+        if self._stopping:
+            return False
+        time.sleep(1.0)  # the store may come back (a rendezvous moving): not a busy retry meanwhile
+        return True
+
+    def _handle(self, req: dict) -> None:
+        try:
+            self._restore(req)
+        except Exception as e:  # tell the source instead of leaving it waiting
+            self._answer(req["id"], {"ok": False, "why": f"{type(e).__name__}: {e}"})
+            self._events.emit("migration_failed", gen=req.get("gen"), rank=req.get("rank"), stage="restore",
+                              error=f"{type(e).__name__}: {e}", node=self._node)
 
     def _answer(self, tid: str, body: dict) -> None:
         try:
-            _put(self._store, self._token, body, tid, "restored")
+            mig(self._token).put(self._store, body, tid, "restored")
         except Exception:
             pass
 
@@ -482,9 +478,9 @@ class Target:
             if code is not None:
                 break
             try:
-                n = int(store.add(_k(self._token, tid, "signals"), 0))
+                n = mig(self._token).count(store, 0, tid, "signals")
                 while seen < n:
-                    key = _k(self._token, tid, "signal", seen + 1)
+                    key = mig(self._token).key(tid, "signal", seen + 1)
                     if not store.check([key]):
                         # its sender is between add and set: next look; never set (a forged
                         # count) after a while: skipped
@@ -495,7 +491,7 @@ class Target:
                     seen += 1
                     if not store.check([key]):
                         continue
-                    sig = auth.of(self._token).open(key, store.get(key), f"signal {seen} to migrated rank {rank}")
+                    sig = mig(self._token).open(key, store.get(key), f"signal {seen} to migrated rank {rank}")
                     if sig not in _SIGNALS:
                         continue
                     # the helper forwards catchable signals; SIGKILL would end only the helper
@@ -514,7 +510,7 @@ class Target:
         self._events.emit("worker_exit", rank=rank, exitcode=code, migrated=True, node=self._node)
         self._record_rank(rank, None)
         try:
-            _put(store, self._token, code, tid, "exit")
+            mig(self._token).put(store, code, tid, "exit")
         except Exception:
             pass
 

@@ -97,15 +97,15 @@ def record_workers(agent, worker_group) -> dict:
 
 
 def key(token: str, *parts: object) -> str:
-    from jitckpt.migrate_worker import _key
+    from jitckpt.migrate_worker import records
 
-    return _key(token, *parts)
+    return records(token).key(*parts)
 
 
 def put(store, token: str, value: object, *parts: object) -> None:
-    from jitckpt.migrate_worker import _put
+    from jitckpt.migrate_worker import records
 
-    _put(store, token, value, *parts)
+    records(token).put(store, value, *parts)
 
 
 def read_request(store, token: str, gen: int) -> dict | None:
@@ -236,12 +236,12 @@ def _connect(c: dict):
 
 
 def _ranks_to_move(store, token: str, node: str) -> list[int]:
-    from jitckpt import auth
+    from jitckpt.migrate_worker import records
 
-    a = auth.of(token)
+    a = records(token)
     ranks, r = [], 0
-    while store.check([key(token, "where", r)]):  # ranks are 0..world-1
-        if a.get(store, f"where rank {r} runs", "migrate", "where", r) == node:
+    while store.check([a.key("where", r)]):  # ranks are 0..world-1
+        if a.get(store, f"where rank {r} runs", "where", r) == node:
             ranks.append(r)
         r += 1
     return ranks
@@ -250,18 +250,18 @@ def _ranks_to_move(store, token: str, node: str) -> list[int]:
 def _wait_outcome(store, token: str, gen: int, ranks: list[int], to: str, timeout: float) -> int:
     import torch.distributed as dist
 
-    from jitckpt import auth
+    from jitckpt.migrate_worker import records
 
-    a = auth.of(token)
+    a = records(token)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            why = a.get(store, f"failure of migration {gen}", "migrate", gen, "failed")
+            why = a.get(store, f"failure of migration {gen}", gen, "failed")
             if isinstance(why, str):
                 print(f"jitrun migrate: migration {gen} FAILED: {why}; the "
                       "job takes a JIT checkpoint and restarts", file=sys.stderr)
                 return 1
-            if a.get(store, f"resume of migration {gen}", "migrate", gen, "resume") is not None:
+            if a.get(store, f"resume of migration {gen}", gen, "resume") is not None:
                 print(f"jitrun migrate: migration {gen} done: ranks {ranks} run on {to}")
                 return 0
         except dist.DistError as e:  # the store's host ended: the job finished or restarted meanwhile

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jitckpt import auth, contract, layout
+from jitckpt.sealed_store import Requests, Space, StoreRecordError, space
 
 from . import peer_files, stream
 from .stream import TransferError
@@ -64,15 +65,16 @@ CONNECT_S = 5.0
 STALL_S = 120.0
 
 
-def _k(token: str, *parts: object) -> str:
-    return auth.of(token).key("xfer", *parts)
+def xfer(token: str) -> Space:
+    """The records of replica transfers (labels ``xfer/...``)."""
+    return space(token, "xfer")
 
 
-def _put(store, token: str, value: object, *parts: object) -> None:
-    auth.of(token).put(store, value, "xfer", *parts)
+def requests_to(token: str, node: str) -> Requests:
+    """The replica requests to the :class:`ReplicaServer` of ``node``."""
+    return Requests(xfer(token), "req", node)
 
 
-STOP = {"stop": True}
 REQUEST = auth.Schema({"id": str, "step": int, "shard": str, "rank": int})
 # the requester's listener for one transfer, at its own key: a source too old to
 # read it ignores it and answers through the store
@@ -139,7 +141,6 @@ class ReplicaServer:
         # the replica fetched from another source)
         self._corrupt = contract.TEST_CORRUPT_TRANSFER.get()
         self._stopping = False
-        self._seq = 1
         self.served = 0
         self._thread = threading.Thread(target=self._run, name="jitrun-replica-server", daemon=True)
 
@@ -157,40 +158,30 @@ class ReplicaServer:
         if not self._thread.is_alive():
             return True
         try:
-            seq = store.add(_k(self._token, "req", self._node, "n"), 1)
-            _put(store, self._token, STOP, "req", self._node, seq)
+            requests_to(self._token, self._node).stop(store)
         except Exception:
             pass  # the store is gone: the thread's wait fails on its own
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while not self._stopping:
-            key = _k(self._token, "req", self._node, self._seq)
+        requests_to(self._token, self._node).serve(
+            self._store, "replica request", problem=REQUEST.problem, handle=self._handle,
+            stopping=lambda: self._stopping, on_store_error=lambda: not self._stopping and self._alive())
+
+    def _handle(self, req: dict) -> bool:
+        try:
+            self._serve(req)
+        except Exception as e:  # tell the fetcher instead of leaving it waiting
             try:
-                self._store.wait([key], timedelta(seconds=3600))
-                raw = self._store.get(key)
-            except Exception:  # timeout, or the store went away with the job
-                if self._stopping or not self._alive():
-                    return
-                continue
-            self._seq += 1
-            req = auth.of(self._token).open(key, raw, f"replica request {self._seq - 1} to this node")
-            if req == STOP:
-                return
-            if req is None or auth.reject_if("replica request", REQUEST.problem(req)):
-                continue
-            try:
-                self._serve(req)
-            except Exception as e:  # tell the fetcher instead of leaving it waiting
-                try:
-                    send_failed(self._store, self._token, req.get("id"), f"{type(e).__name__}: {e}")
-                except Exception:
-                    return
+                send_failed(self._store, self._token, req.get("id"), f"{type(e).__name__}: {e}")
+            except Exception:
+                return False  # the store is gone: nobody waits any more
+        return True
 
     def _alive(self) -> bool:
         try:
-            self._store.check([_k(self._token, "alive")])
+            self._store.check([xfer(self._token).key("alive")])
             return True
         except Exception:
             return False
@@ -214,8 +205,7 @@ class ReplicaServer:
     def _reach(self, tid: str) -> tuple[socket.socket | None, str | None]:
         """A connection to the listener the requester of ``tid`` offered; else None and
         why not (None: it offered none)."""
-        offer = auth.of(self._token).get(self._store, f"stream offer of transfer {tid}", "xfer", "offer", tid,
-                                         schema=OFFER)
+        offer = xfer(self._token).get(self._store, f"stream offer of transfer {tid}", "offer", tid, schema=OFFER)
         if offer is None:
             return None, None
         if not 0 < offer["port"] < 65536:
@@ -230,8 +220,8 @@ class ReplicaServer:
         list before it accepts). The corruption test hook sends a copy of the first
         replica file with its first byte flipped."""
         with conn:
-            _put(self._store, self._token, {"ok": True, "files": [[rel, p.stat().st_size] for rel, p in files],
-                                            "via": "stream"}, "data", tid, "meta")
+            xfer(self._token).put(self._store, {"ok": True, "files": [[rel, p.stat().st_size] for rel, p in files],
+                                                "via": "stream"}, "data", tid, "meta")
             if not self._corrupt or len(files) < 2:
                 stream.send_on(conn, self._token, tid, files, STALL_S)
                 return
@@ -252,7 +242,7 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *, no
     chunk of the first file it selects goes out with a flipped byte."""
     sizes = [[rel, path.stat().st_size] for rel, path in files]
     # no "via" key: an older requester's schema refuses keys it does not know
-    _put(store, token, {"ok": True, "files": sizes, **(note or {})}, "data", tid, "meta")
+    xfer(token).put(store, {"ok": True, "files": sizes, **(note or {})}, "data", tid, "meta")
     n = sent = 0
     for rel, path in files:
         with open(path, "rb") as fh:
@@ -265,7 +255,7 @@ def send_files(store, token: str, tid: str, files: list[tuple[str, Path]], *, no
                 if corrupt is not None and corrupt(rel):
                     corrupt = None
                     data = bytes([data[0] ^ 0xFF]) + data[1:]
-                store.set(_k(token, "data", tid, "c", n), data)
+                store.set(xfer(token).key("data", tid, "c", n), data)
                 sent += len(data)
                 n += 1
     return sent
@@ -276,29 +266,28 @@ def _wait_ack(store, token: str, tid: str, n: int, timeout_s: float, sent: int) 
     (``abort``, e.g. a manifest that did not match: it then acknowledges what the
     sender may wait for) or took nothing for ``timeout_s``."""
     try:
-        store.wait([_k(token, "data", tid, "ack", n)], timedelta(seconds=timeout_s))
+        store.wait([xfer(token).key("data", tid, "ack", n)], timedelta(seconds=timeout_s))
     except Exception:
         raise TransferError(f"the receiver took nothing more within {timeout_s:.0f}s ({sent} bytes sent)") from None
-    if store.check([_k(token, "data", tid, "abort")]):
+    if store.check([xfer(token).key("data", tid, "abort")]):
         raise TransferError(f"the receiver gave up on the transfer ({sent} bytes sent)")
 
 
 def send_failed(store, token: str, tid: str, why: str) -> None:
     """Tell the receiver of ``tid`` that nothing will come, and why."""
-    _put(store, token, {"ok": False, "why": why}, "data", tid, "meta")
+    xfer(token).put(store, {"ok": False, "why": why}, "data", tid, "meta")
 
 
 def wait_meta(store, token: str, tid: str, timeout_s: float) -> dict:
     """The sender's announcement of ``tid``; TransferError if it refused, never came,
     or does not verify."""
-    key = _k(token, "data", tid, "meta")
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except Exception:
-        raise TransferError(f"did not answer within {timeout_s:.0f}s") from None
-    meta = auth.of(token).open(key, store.get(key), f"announcement of transfer {tid}", META)
-    if meta is None:
-        raise TransferError("its announcement does not verify under the job token")
+        meta = xfer(token).wait(store, f"announcement of transfer {tid}", "data", tid, "meta", timeout_s=timeout_s,
+                                schema=META)
+    except StoreRecordError as e:
+        if e.kind == StoreRecordError.TIMEOUT:
+            raise TransferError(f"did not answer within {timeout_s:.0f}s") from None
+        raise TransferError("its announcement does not verify under the job token") from None
     if not meta["ok"]:
         raise TransferError(f"refused: {meta.get('why')}")
     return meta
@@ -328,7 +317,7 @@ class _Chunks:
                 os.fsync(out.fileno())
 
     def _read(self, rel: str, left: int) -> bytes:
-        key = _k(self.token, "data", self.tid, "c", self.n)
+        key = xfer(self.token).key("data", self.tid, "c", self.n)
         wait = self.deadline - time.monotonic()
         try:
             if wait <= 0:
@@ -338,7 +327,7 @@ class _Chunks:
             raise TransferError(f"chunk {self.n} of {rel} did not come before the transfer's deadline") from None
         data = self.store.get(key)
         self.store.delete_key(key)
-        self.store.set(_k(self.token, "data", self.tid, "ack", self.n), b"")
+        self.store.set(xfer(self.token).key("data", self.tid, "ack", self.n), b"")
         self.n += 1
         if len(data) > left:
             raise TransferError(f"chunk {self.n - 1} of {rel}: {len(data)} bytes, {left} announced")
@@ -351,9 +340,9 @@ class _Chunks:
         if exc_type is None:
             return
         try:  # a sender waiting for acknowledgements stops now, not after its timeout
-            self.store.set(_k(self.token, "data", self.tid, "abort"), b"")
+            self.store.set(xfer(self.token).key("data", self.tid, "abort"), b"")
             for n in range(self.n, self.n + WINDOW + 1):
-                self.store.set(_k(self.token, "data", self.tid, "ack", n), b"")
+                self.store.set(xfer(self.token).key("data", self.tid, "ack", n), b"")
         except Exception:
             pass
 
@@ -388,10 +377,9 @@ def fetch(store, token: str, *, source: dict, step: int, shard: str, root: Path,
         on_fallback(why_not)
     try:
         if lsn is not None:
-            _put(store, token, {"addr": listen_addr, "port": lsn.getsockname()[1]}, "offer", tid)
-        seq = store.add(_k(token, "req", source["node_id"], "n"), 1)
-        _put(store, token, {"id": tid, "step": step, "shard": shard, "rank": int(source["rank"])},
-             "req", source["node_id"], seq)
+            xfer(token).put(store, {"addr": listen_addr, "port": lsn.getsockname()[1]}, "offer", tid)
+        requests_to(token, source["node_id"]).send(
+            store, {"id": tid, "step": step, "shard": shard, "rank": int(source["rank"])})
         final = layout.replica_dir(root, step, shard, int(source["rank"]))
         layout.makedirs_private(final.parent)
         tmp = final.parent / f".tmp-rank-{source['rank']}-fetch-{os.getpid()}"
