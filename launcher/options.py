@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import decide
+from . import decision
 
 
 @dataclass
@@ -25,10 +25,10 @@ class JitOptions:
     preempt_grace_s: float = 15.0  # --jit-preempt-grace (launcher/preempt.py: DEFAULT_GRACE_S)
 
 
-def this_node(local_addr: str | None) -> decide.NodeInfo:
+def this_node(local_addr: str | None) -> decision.NodeInfo:
     """This agent's identity in the job: its address (``--local-addr``, else
     the host's FQDN) and PID, and its host name (under Slurm the scheduler's
     name for the node: several slurmd may share a host)."""
     addr = local_addr or socket.getfqdn()
     host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
-    return decide.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=host, addr=addr)
+    return decision.NodeInfo(node_id=f"{addr}-{os.getpid()}", host=host, addr=addr)

@@ -76,7 +76,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
 
 from jitckpt import auth  # noqa: E402
 from jitckpt.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
-from jitrun import decide, rdzv  # noqa: E402
+from jitrun import decide, decision, rdzv  # noqa: E402
 from jitrun.recovery.failure import Failure  # noqa: E402
 from jitrun.recovery.reports import ReportBook  # noqa: E402
 
@@ -227,7 +227,7 @@ class SimNode:
 
     def __init__(self, job: Job, idx: int, spare: bool = False) -> None:
         self.job, self.spare = job, spare
-        self.node = decide.NodeInfo(node_id=f"node{idx:04d}-{secrets.token_hex(4)}", host=f"host{idx:04d}",
+        self.node = decision.NodeInfo(node_id=f"node{idx:04d}-{secrets.token_hex(4)}", host=f"host{idx:04d}",
                                     addr=f"10.{idx // 65536}.{idx // 256 % 256}.{idx % 256}")
         a = job.args
         rstore = client(job.coord_srv.port, job.tally, "rdzv")
@@ -321,7 +321,7 @@ class SimNode:
         coord.post(self.round, self._inventory())
         until = time.monotonic() + job.args.timeout
 
-        def compute_here() -> decide.Decision:  # as ``Restorer._decide``'s, on the claiming agent only
+        def compute_here() -> decision.Decision:  # as ``Restorer._decide``'s, on the claiming agent only
             nodes = coord.nodes(self.round, job.n)
             if job.args.grace is None:  # the loss is known from evidence: wait for the survivors only
                 invs = coord.wait_inventories(self.round, [n for n in nodes if n["node_id"] != job.victim],
@@ -333,7 +333,7 @@ class SimNode:
             shard_of_rank = coord.shard_map(nodes, self.book.shards)
             if len(shard_of_rank) != job.n * job.ranks:
                 raise AssertionError(f"the decider knows {len(shard_of_rank)} ranks' shards of {job.n * job.ranks}")
-            return decide.compute(self.round, invs, shard_of_rank, nodes, decided_by=self.node.node_id)
+            return decision.compute(self.round, invs, shard_of_rank, nodes, decided_by=self.node.node_id)
 
         won = coord.agree(self.round, compute_here, until)
         if won.step != STEP or [n["node_id"] for n in won.lost] != [job.victim]:

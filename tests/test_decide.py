@@ -1,4 +1,4 @@
-"""Unit tests of the job-wide pieces: the restore decision (jitrun.decide),
+"""Unit tests of the job-wide pieces: the restore decision (jitrun.decision, jitrun.decide),
 the loaded-state consistency check (jitckpt.verify.consistency), replica transfer
 through a real TCPStore (jitrun.peers.transfer) and derived network settings."""
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from jitckpt import contract, layout
 from jitckpt.verify.consistency import FRESH, StateDivergence, check_loaded
-from jitrun import decide, netconf
+from jitrun import decide, decision, netconf
 from jitrun.peers import transfer
 
 
@@ -32,7 +32,7 @@ NODES = [{"node_id": n, "host": n, "addr": n} for n in ("a", "b", "c")]
 def test_newest_step_complete_across_nodes():
     # shard 0 on node a, shard 1 on node b: only together is step 7 complete
     invs = [inv("a", (7, "0", 0), (5, "0", 0), (5, "1", 2)), inv("b", (7, "1", 3)), inv("c")]
-    d = decide.compute(1, invs, {"0": "0", "1": "0", "2": "1", "3": "1"}, NODES, decided_by="a")
+    d = decision.compute(1, invs, {"0": "0", "1": "0", "2": "1", "3": "1"}, NODES, decided_by="a")
     assert d.step == 7 and d.shards == ["0", "1"]
     assert [s["node_id"] for s in d.sources["1"]] == ["b"]
     assert d.lost == []
@@ -40,7 +40,7 @@ def test_newest_step_complete_across_nodes():
 
 def test_incomplete_newest_falls_back_and_lost_nodes_are_named():
     invs = [inv("a", (9, "0", 0), (4, "0", 0), (4, "1", 1))]
-    d = decide.compute(2, invs, {"0": "0", "1": "1"}, NODES, decided_by="a")
+    d = decision.compute(2, invs, {"0": "0", "1": "1"}, NODES, decided_by="a")
     assert d.step == 4
     assert [n["node_id"] for n in d.lost] == ["b", "c"]
     assert "1 of 3" in d.why
@@ -50,25 +50,25 @@ def test_sources_are_a_few_holders_not_every_node():
     nodes = [{"node_id": f"n{i:02d}", "host": "h", "addr": "a"} for i in range(20)]
     invs = [{**n, "replicas": [{"step": 9, "shard": "0", "rank": i, "manifest_sha256": "m"}]}
             for i, n in enumerate(nodes)]
-    d = decide.compute(1, invs, {str(i): "0" for i in range(20)}, nodes, decided_by="n00")
-    assert d.step == 9 and [s["node_id"] for s in d.sources["0"]] == [f"n{i:02d}" for i in range(decide.MAX_SOURCES)]
+    d = decision.compute(1, invs, {str(i): "0" for i in range(20)}, nodes, decided_by="n00")
+    assert d.step == 9 and [s["node_id"] for s in d.sources["0"]] == [f"n{i:02d}" for i in range(decision.MAX_SOURCES)]
 
 
 def test_nothing_complete():
-    d = decide.compute(0, [inv("a", (3, "0", 0))], {"0": "0", "1": "1"}, NODES[:1], decided_by="a")
+    d = decision.compute(0, [inv("a", (3, "0", 0))], {"0": "0", "1": "1"}, NODES[:1], decided_by="a")
     assert d.step is None and d.sources == {} and "no step" in d.why
 
 
 def test_decision_roundtrip_and_first_writer_wins():
     store = dist.HashStore()
-    a = decide.Coordinator(store, "tok", decide.NodeInfo("a", "a", "a"))
-    b = decide.Coordinator(store, "tok", decide.NodeInfo("b", "b", "b"))
-    da = decide.compute(3, [inv("a", (5, "0", 0))], {"0": "0"}, NODES[:2], decided_by="a")
-    db = decide.compute(3, [inv("b", (2, "0", 1))], {"0": "0"}, NODES[:2], decided_by="b")
+    a = decide.Coordinator(store, "tok", decision.NodeInfo("a", "a", "a"))
+    b = decide.Coordinator(store, "tok", decision.NodeInfo("b", "b", "b"))
+    da = decision.compute(3, [inv("a", (5, "0", 0))], {"0": "0"}, NODES[:2], decided_by="a")
+    db = decision.compute(3, [inv("b", (2, "0", 1))], {"0": "0"}, NODES[:2], decided_by="b")
     assert a.publish(da).step == 5
     assert b.publish(db).step == 5, "the later writer reads the decision in force"
     assert b.latest() == a.decided(3)
-    assert decide.Coordinator(store, "other", decide.NodeInfo("x", "x", "x")).latest() is None
+    assert decide.Coordinator(store, "other", decision.NodeInfo("x", "x", "x")).latest() is None
 
 
 def _agree_all(coords, round_, until_s=10.0, silent=None):
@@ -80,7 +80,7 @@ def _agree_all(coords, round_, until_s=10.0, silent=None):
         def compute_here():
             computed.append(c.node.node_id)
             invs = [inv(x.node.node_id, (4, "0", i)) for i, x in enumerate(coords)]
-            return decide.compute(round_, invs, {"0": "0"}, NODES[:len(coords)], decided_by=c.node.node_id)
+            return decision.compute(round_, invs, {"0": "0"}, NODES[:len(coords)], decided_by=c.node.node_id)
         got[c.node.node_id] = c.agree(round_, compute_here, time.monotonic() + until_s, silent)
 
     ts = [threading.Thread(target=one, args=(c,)) for c in coords]
@@ -90,7 +90,7 @@ def _agree_all(coords, round_, until_s=10.0, silent=None):
 
 
 def _coords(store, token="t", names=("a", "b", "c")):
-    return [decide.Coordinator(store, token, decide.NodeInfo(n, n, n)) for n in names]
+    return [decide.Coordinator(store, token, decision.NodeInfo(n, n, n)) for n in names]
 
 
 def test_one_agent_decides_and_the_others_read_its_decision():
@@ -99,7 +99,7 @@ def test_one_agent_decides_and_the_others_read_its_decision():
     assert len(computed) == 1, f"every agent computed the decision: {computed}"
     assert {d.decided_by for d in got.values()} == set(computed) and len(got) == 3
     assert all(d == got[computed[0]] for d in got.values()) and got["a"].step == 4
-    assert decide.Coordinator(store, "t", decide.NodeInfo("z", "z", "z")).latest() == got["a"]
+    assert decide.Coordinator(store, "t", decision.NodeInfo("z", "z", "z")).latest() == got["a"]
 
 
 def test_a_decider_that_went_silent_or_never_decided_is_taken_over():
@@ -140,7 +140,7 @@ def test_the_decider_knows_every_nodes_shards_also_a_lost_ones(capsys):
     c.post_shards({4: "2"})  # c is lost later: no inventory, but its shard counts
     got = a.shard_map(NODES, {})
     assert got == {"0": "0", "1": "1", "2": "0", "3": "1", "4": "2"}
-    d = decide.compute(3, [inv("a", (9, "0", 0), (9, "1", 1)), inv("b", (9, "0", 2), (9, "1", 3))], got, NODES, "a")
+    d = decision.compute(3, [inv("a", (9, "0", 0), (9, "1", 1)), inv("b", (9, "0", 2), (9, "1", 3))], got, NODES, "a")
     assert d.step is None and d.shards == ["0", "1", "2"], "shard 2 has no replica: step 9 is not complete"
     # a record that does not verify, or one posted under another node's name, counts for nothing
     store.set(a.auth.key("shards", "b"), b'{"v": {"node_id": "b", "shards": {"2": "7"}}, "mac": "00"}')
@@ -155,16 +155,16 @@ def test_the_decision_carries_what_only_other_nodes_ranks_reported():
     the failed node's ranks reported to their own agent only: they travel in the inventories."""
     a = {**inv("a", (9, "0", 0)), "progress": 9, "fault_t": None, "last_alive": 5.0}
     b = {**inv("b", (9, "0", 1)), "progress": 10, "fault_t": 4.5, "last_alive": 4.0}
-    d = decide.compute(3, [a, b], {"0": "0", "1": "0"}, NODES[:2], "a")
+    d = decision.compute(3, [a, b], {"0": "0", "1": "0"}, NODES[:2], "a")
     assert (d.progress, d.fault_t, d.last_alive) == (10, 4.5, 4.0)
-    assert decide.Decision.from_json(d.to_json()) == d
-    assert decide.compute(3, [inv("a", (9, "0", 0))], {"0": "0"}, NODES[:1], "a").progress == -1
+    assert decision.Decision.from_json(d.to_json()) == d
+    assert decision.compute(3, [inv("a", (9, "0", 0))], {"0": "0"}, NODES[:1], "a").progress == -1
 
 
 def test_wait_inventories_takes_busy_nodes_until_final_and_drops_silent_ones():
     store = dist.HashStore()
-    me = decide.Coordinator(store, "t", decide.NodeInfo("a", "a", "a"))
-    slow = decide.Coordinator(store, "t", decide.NodeInfo("b", "b", "b"))
+    me = decide.Coordinator(store, "t", decision.NodeInfo("a", "a", "a"))
+    slow = decide.Coordinator(store, "t", decision.NodeInfo("b", "b", "b"))
     me.post(0, inv("a"))
     slow.handling(0)  # b is saving: wait for it; c never answered: lost
     assert me.failed(0)
@@ -410,9 +410,9 @@ def test_an_agent_restarts_on_the_decision_it_read_not_an_older_newest_record(mo
     store = dist.HashStore()
     a, b = _coords(store, names=("a", "b"))
     nodes = [{"node_id": n, "host": n, "addr": n} for n in ("a", "b")]
-    old = a.publish(decide.compute(1, [inv("a", (9, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
+    old = a.publish(decision.compute(1, [inv("a", (9, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
                                    decided_by="a"))
-    new = a.publish(decide.compute(2, [inv("a", (15, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
+    new = a.publish(decision.compute(2, [inv("a", (15, "0", 0)), inv("b", (9, "0", 1))], {"0": "0", "1": "0"}, nodes,
                                    decided_by="a"))
     assert (old.step, new.step) == (9, 15) and b.latest() == new
     a.auth.put(store, asdict(old), "decision")  # the window: the round's record is there, the newest not yet
@@ -426,7 +426,7 @@ def test_an_agent_restarts_on_the_decision_it_read_not_an_older_newest_record(mo
     r.prepare({1})
     assert contract.RESTORE_STEP.get() == "15" and fetched == [(15, "0")] and r.decision == new
     # an agent that took no part (a spare, a replacement) takes the newest record
-    r2 = Restorer(Namespace(), decide.NodeInfo("z", "z", "z"), Events())
+    r2 = Restorer(Namespace(), decision.NodeInfo("z", "z", "z"), Events())
     r2.coord = decide.Coordinator(store, "t", r2._node)
     monkeypatch.setattr(r2, "_fetch", lambda d, shard: None)
     r2.prepare({1})

@@ -158,7 +158,7 @@ def test_clean_subcommand_through_jitrun(tmp_path, shm):
 
 
 def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, shm):
-    from jitrun import decide
+    from jitrun import decision
 
     _commit(shm, "jobA", 8)
     # job B looks in its own directory: nothing
@@ -166,7 +166,7 @@ def test_another_jobs_chunks_are_invisible_even_under_this_jobs_names(tmp_path, 
     monkey = {contract.EC_EVERY.name: "4"}
     os.environ.update(monkey)
     try:
-        inv = decide.inventory(tmp_path / "jitB", "jobB", decide.NodeInfo("n", "h", "a"))
+        inv = decision.inventory(tmp_path / "jitB", "jobB", decision.NodeInfo("n", "h", "a"))
     finally:
         os.environ.pop(contract.EC_EVERY.name)
     assert inv["ec"] == {"chunks": [], "commits": []}

@@ -329,43 +329,43 @@ def test_parse_code():
 
 
 def _decide(replica_steps, ec_invs, world=2):
-    from jitrun import decide
+    from jitrun import decision
 
     invs = [{"node_id": f"n{i}", "host": "h", "addr": f"a{i}",
              "replicas": [{"step": s, "shard": "0", "rank": 0, "saved_at": 0.0, "manifest_sha256": "x"}
                           for s in (replica_steps if i == 0 else [])],
              "finished": [], "ec": e} for i, e in enumerate(ec_invs)]
-    return decide.compute(1, invs, {str(r): "0" for r in range(world)}, [], decided_by="n0")
+    return decision.compute(1, invs, {str(r): "0" for r in range(world)}, [], decided_by="n0")
 
 
 def test_decision_order_replica_ec_persistent_fresh():
-    from jitrun import decide
+    from jitrun import decision
 
     ec4 = [_inv([_ch(4, 0, 0), _ch(4, 1, 0)], [_rec(4)]), _inv([_ch(4, 0, 1), _ch(4, 1, 1)], [])]
     # a replica at the failure's step beats an older EC version
     d = _decide([6], ec4)
     assert (d.source, d.step, d.ec_step) == ("replica", 6, None)
-    assert "not newer than replica step 6" in decide.source_event(d)["not_used"][0]
+    assert "not newer than replica step 6" in decision.source_event(d)["not_used"][0]
     # no replica newer: EC; the older persistent replica stays the workers' fallback
     d = _decide([2], ec4)
     assert (d.source, d.step, d.ec_step) == ("ec", 2, 4), d
     env = {}
-    decide.plan_of(d).to_env(env)
+    decision.plan_of(d).to_env(env)
     assert env == {"JITCKPT_RESTORE_STEP": "4", "JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_EC_FALLBACK_STEP": "2"}
-    ev = decide.source_event(d, progress=6)
+    ev = decision.source_event(d, progress=6)
     assert ev["source"] == "ec" and ev["step"] == 4 and ev["minibatches_lost"] == 3 and ev["not_used"], ev
-    assert "erasure-coded snapshot of step 4" in decide.source_line(d, 6)
+    assert "erasure-coded snapshot of step 4" in decision.source_line(d, 6)
     # a decision round-trips through the store's JSON
-    assert decide.Decision.from_json(d.to_json()).ec_step == 4
+    assert decision.Decision.from_json(d.to_json()).ec_step == 4
     # EC not decodable (a node's chunks gone): the persistent replica
     d = _decide([2], ec4[:1])
-    assert (d.source, d.step) == ("replica", 2) and "not decodable" in decide.source_event(d)["not_used"][0]
+    assert (d.source, d.step) == ("replica", 2) and "not decodable" in decision.source_event(d)["not_used"][0]
     # nothing at all: a fresh start, said loudly
     d = _decide([], ec4[:1])
     assert d.source == "fresh" and d.step is None
-    assert "RESTARTS FROM SCRATCH" in decide.source_line(d) and "not decodable" in decide.source_line(d)
+    assert "RESTARTS FROM SCRATCH" in decision.source_line(d) and "not decodable" in decision.source_line(d)
     env = {"JITCKPT_RESTORE_SOURCE": "ec", "JITCKPT_EC_FALLBACK_STEP": "2"}
-    decide.plan_of(d).to_env(env)
+    decision.plan_of(d).to_env(env)
     assert env == {"JITCKPT_RESTORE_STEP": "none"}  # the EC variables cleared, the fresh start said
     # EC off (no "ec" in any inventory, --jit-ec-every 0): the replica decision, untouched
     d = _decide([2], [None, None])
@@ -373,15 +373,15 @@ def test_decision_order_replica_ec_persistent_fresh():
 
 
 def test_inventory_lists_ec_only_when_enabled(tmp_path, monkeypatch):
-    from jitrun import decide
+    from jitrun import decision
 
     monkeypatch.setenv(contract.EC_SHM.name, str(tmp_path))
     ec_pack.write_chunk(ec_files.ec_dir(JOB, tmp_path), ec_pack.ChunkTag(JOB, 3, 0, 0, 1, 2, 1, 20), b"x" * 10)
-    node = decide.NodeInfo("n", "h", "a")
+    node = decision.NodeInfo("n", "h", "a")
     monkeypatch.setenv(contract.EC_EVERY.name, "0")
-    assert "ec" not in decide.inventory(tmp_path / "jit", JOB, node)
+    assert "ec" not in decision.inventory(tmp_path / "jit", JOB, node)
     monkeypatch.setenv(contract.EC_EVERY.name, "4")
-    assert decide.inventory(tmp_path / "jit", JOB, node)["ec"]["chunks"][0][:4] == [3, 0, 0, 1]
+    assert decision.inventory(tmp_path / "jit", JOB, node)["ec"]["chunks"][0][:4] == [3, 0, 0, 1]
 
 
 def test_default_off_installs_nothing(monkeypatch):

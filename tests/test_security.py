@@ -29,7 +29,7 @@ from jitckpt import auth, contract, layout, migrate_worker
 from jitckpt.ec import files as ec_files
 from jitckpt.report import Reporter, ReportReader
 from jitckpt.verify import consistency
-from jitrun import decide
+from jitrun import decide, decision
 from jitrun.events import EventLog
 from jitrun.migration import agents as migrate_agent
 from jitrun.migration import control as migrate
@@ -84,7 +84,7 @@ def forged(value: object, key: str = "x") -> bytes:
 def test_token_never_in_key_names_or_values(store):
     c = client(store)
     Reporter(c, TOKEN, 0).send("registered", shard="0", token_echo="no")
-    coord = decide.Coordinator(c, TOKEN, decide.NodeInfo("n0", "h", "127.0.0.1"))
+    coord = decide.Coordinator(c, TOKEN, decision.NodeInfo("n0", "h", "127.0.0.1"))
     coord.announce(0, 0)
     coord.handling(0)
     transfer.send_failed(c, TOKEN, "tid", "why")
@@ -142,7 +142,7 @@ def test_forged_and_malformed_reports_are_skipped(store, rejected):
 
 def test_forged_failure_mark_and_decision_are_ignored_or_stop(store, rejected):
     c = client(store)
-    coord = decide.Coordinator(c, TOKEN, decide.NodeInfo("n0", "h", "127.0.0.1"))
+    coord = decide.Coordinator(c, TOKEN, decision.NodeInfo("n0", "h", "127.0.0.1"))
     # the keys of the old layout: the attacker had read the token off the store
     for k in ("round/0/failed", "round/0/decision", "decision"):
         c.set(f"jitckpt/{TOKEN}/{k}", json.dumps({"round": 0, "step": 999, "decided_by": "evil-node"}))
@@ -151,14 +151,14 @@ def test_forged_failure_mark_and_decision_are_ignored_or_stop(store, rejected):
     a = auth.of(TOKEN)
     c.set(a.key("round", 0, "failed"), forged("evil-node"))
     assert not coord.failed(0)
-    good = decide.compute(0, [], {"0": "0"}, [], decided_by="n0")
+    good = decision.compute(0, [], {"0": "0"}, [], decided_by="n0")
     evil = {**json.loads(good.to_json()), "step": 999, "decided_by": "evil-node"}
     c.set(a.key("round", 0, "decision"), forged(evil, a.key("round", 0, "decision")))
-    with pytest.raises(decide.DecisionTampered, match="does not verify under the job token"):
+    with pytest.raises(decision.DecisionTampered, match="does not verify under the job token"):
         coord.publish(good)  # first writer wins: the forged one is there first, and refused
     # a token holder's decision with an extra key (it raised in the agent's main thread before)
     a.put(c, {**evil, "extra": 1}, "decision")
-    with pytest.raises(decide.DecisionTampered):
+    with pytest.raises(decision.DecisionTampered):
         coord.latest()
     assert any("unexpected key" in why for _, why in rejected), rejected
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from jitckpt import contract, layout
 
-from .. import decide, worker_env
+from .. import decide, decision, worker_env
 from ..peers import transfer
 from . import alive
 from .failure import Failure
@@ -45,7 +45,7 @@ class Restorer:
         self._events = events
         self.coord: decide.Coordinator | None = None
         self._server: transfer.ReplicaServer | None = None
-        self.decision: decide.Decision | None = None
+        self.decision: decision.Decision | None = None
         self.silence: alive.Silence | None = None  # which agents stopped beating (main thread)
         self._pulse: alive.Pulse | None = None
         self._finish_marked = -1  # the round whose finish mark this node set
@@ -114,14 +114,14 @@ class Restorer:
             return
         self.decision = d
         # an EC version chosen: the workers decode it, d.step stays their fallback
-        worker_env.plan(decide.plan_of(d))
+        worker_env.plan(decision.plan_of(d))
         if d.step is None:
             return
         need = sorted({d.shard_of_rank.get(str(r)) for r in local_ranks} - {None}) or d.shards
         for shard in need:
             self._fetch(d, shard)
 
-    def _fetch(self, d: decide.Decision, shard: str) -> None:
+    def _fetch(self, d: decision.Decision, shard: str) -> None:
         """This node's copy of ``shard`` at the decided step, fetched if missing: over a
         stream to a listener on this node's job address, through the store where the
         source cannot reach it (events ``replica_fetched``, ``replica_fetch_failed``,
@@ -153,7 +153,7 @@ class Restorer:
             replicas, _bad = layout.scan(self._jit.root, self._jit.job_id, self._jit.identity)
             all_shards = set(shards.values()) | {r.shard for r in replicas} or {"0"}
             step = layout.select_step(replicas, all_shards)
-            if decide.all_shards_finished({str(k): v for k, v in shards.items()}, done_ranks, all_shards):
+            if decision.all_shards_finished({str(k): v for k, v in shards.items()}, done_ranks, all_shards):
                 return True, False
         else:
             d = self._decide(f, round_=round_, group_world_size=group_world_size, shards=shards,
@@ -173,7 +173,7 @@ class Restorer:
             # an EC snapshot chosen job-wide replaces an older (or no) replica step
             if d.source == "ec":
                 step = d.ec_step
-            plan = decide.plan_of(d)
+            plan = decision.plan_of(d)
         self._announce(f, step, jit_steps, bool(shards))
         f.decided(step)
         worker_env.plan(plan or contract.RestorePlan(decided=True, step=step))
@@ -193,14 +193,14 @@ class Restorer:
                   flush=True)
 
     def _decide(self, f: Failure, *, round_: int, group_world_size: int, shards: dict[int, str],
-                done_ranks: set[int], last_alive: float | None, poll: Callable[[], object]) -> decide.Decision:
+                done_ranks: set[int], last_alive: float | None, poll: Callable[[], object]) -> decision.Decision:
         """The job-wide decision for this failure: post this node's replicas; the
         first agent to claim the round waits for every node of it (a node whose
         agent has not even started handling the failure within a few seconds is
         taken as lost) and decides, the others read its decision."""
         coord = self.coord
         assert coord is not None
-        inv = decide.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks,
+        inv = decision.inventory(self._jit.root, self._jit.job_id, self._node, done_ranks,
                                identity=self._jit.identity)
         inv.update(last_alive=last_alive, fault_t=f.fault_t, progress=f.progress)
         coord.post(round_, inv)
@@ -210,12 +210,12 @@ class Restorer:
         final = f.handling_since + self._jit.timeout_s + self._jit.save_timeout_s + 5.0
         silent = self.silence.silent if self.silence is not None else None
 
-        def compute_here() -> decide.Decision:
+        def compute_here() -> decision.Decision:
             nodes = coord.nodes(round_, group_world_size)
             invs = coord.wait_inventories(round_, nodes, grace, final, silent=silent)
             poll()  # this node's last reports, and its shard map posted
             # every node's ranks' shards, a lost node's too: a shard only it held is still needed
-            return decide.compute(round_, invs, coord.shard_map(nodes, shards), nodes, decided_by=self._node.node_id)
+            return decision.compute(round_, invs, coord.shard_map(nodes, shards), nodes, decided_by=self._node.node_id)
 
         won = coord.agree(round_, compute_here, final + 5.0, silent)
         poll()  # as above, for the record this node may write
@@ -230,9 +230,9 @@ class Restorer:
                   "taken as lost", flush=True)
         # which source the restart uses, why not a better one, steps lost
         if not won.complete and won.ec is not None:  # only with --jit-ec-every N > 0
-            self._events.emit("restore_source", **decide.source_event(won, f.progress))
+            self._events.emit("restore_source", **decision.source_event(won, f.progress))
             # a script that registered no save_fn restarts on its own checkpoints, if it keeps any: not
             # "from scratch" (_announce says so), whatever jitrun had of its own to restore
             if shards or won.source != "fresh":
-                print(f"jitrun: {decide.source_line(won, f.progress)}", flush=True)
+                print(f"jitrun: {decision.source_line(won, f.progress)}", flush=True)
         return won
