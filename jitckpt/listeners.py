@@ -11,52 +11,52 @@ single callback's did.
 
 Main thread only: listeners are added by set-up calls of the script's main thread
 and called from the runtime's phase hooks on it; a listener may remove itself (or
-add another) while called: each call walks a copy of the list.
+add another) while called: each call walks the tuple it started with.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
 
-class Event(enum.Enum):
-    TRAINING_START = "training_start"  # the first minibatch's begin, once (fire_once)
-    MINIBATCH_BEGIN = "minibatch_begin"  # every minibatch, from the first
-    MINIBATCH_START = "minibatch_start"  # (provisional: bool): the consistent point, before a deferred save
-    SNAPSHOT = "snapshot"  # (collective: bool): after an optimizer step, the state verified
-    OPTIMIZER_BEGIN = "optimizer_begin"  # the optimizer step starts
-    OPTIMIZER_END = "optimizer_end"  # and ended
+class Event:
+    """The events, plain ints: their lists are looked up several times a minibatch, and an
+    Enum member hashes in Python (~150 ns a lookup, against ~20 for an int)."""
+
+    TRAINING_START = 0  # the first minibatch's begin, once (fire_once)
+    MINIBATCH_BEGIN = 1  # every minibatch, from the first
+    MINIBATCH_START = 2  # (provisional: bool): the consistent point, before a deferred save
+    SNAPSHOT = 3  # (collective: bool): after an optimizer step, the state verified
+    OPTIMIZER_BEGIN = 4  # the optimizer step starts
+    OPTIMIZER_END = 5  # and ended
+    COUNT = 6
 
 
 class Listeners:
+    """Each event's listeners as a tuple, replaced (never changed in place) when one is
+    added or removed: a call walks the tuple it started with, with no copy."""
+
     def __init__(self) -> None:
-        self._fns: dict[Event, list[Callable[..., Any]]] = {e: [] for e in Event}
+        self._fns: list[tuple[Callable[..., Any], ...]] = [()] * Event.COUNT
 
-    def add(self, event: Event, fn: Callable[..., Any], *, first: bool = False) -> None:
-        if first:
-            self._fns[event].insert(0, fn)
-        else:
-            self._fns[event].append(fn)
-
-    def remove(self, event: Event, fn: Callable[..., Any]) -> None:
-        """Drop ``fn`` (not there: nothing to do)."""
+    def add(self, event: int, fn: Callable[..., Any], *, first: bool = False) -> None:
         fns = self._fns[event]
-        if fn in fns:
-            fns.remove(fn)
+        self._fns[event] = (fn, *fns) if first else (*fns, fn)
 
-    def has(self, event: Event) -> bool:
+    def remove(self, event: int, fn: Callable[..., Any]) -> None:
+        """Drop ``fn`` (not there: nothing to do)."""
+        self._fns[event] = tuple(f for f in self._fns[event] if f is not fn)
+
+    def has(self, event: int) -> bool:
         return bool(self._fns[event])
 
-    def fire(self, event: Event, *args: Any) -> None:
-        fns = self._fns[event]
-        if fns:
-            for fn in list(fns):
-                fn(*args)
+    def fire(self, event: int, *args: Any) -> None:
+        for fn in self._fns[event]:
+            fn(*args)
 
-    def fire_once(self, event: Event, *args: Any) -> None:
+    def fire_once(self, event: int, *args: Any) -> None:
         """Call and drop every listener of ``event``: those added later wait for the next call."""
-        fns, self._fns[event] = self._fns[event], []
+        fns, self._fns[event] = self._fns[event], ()
         for fn in fns:
             fn(*args)

@@ -454,15 +454,14 @@ class Runtime:
             return
         self._claim_save()
         reason = self.deferred
-        if self.listeners.has(Event.MINIBATCH_START):
-            try:
-                self.listeners.fire(Event.MINIBATCH_START, True)
-            except BaseException as e:
-                self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
-                traceback.print_exc()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(_config.EXIT_NOT_SAVED)
+        try:
+            self.listeners.fire(Event.MINIBATCH_START, True)
+        except BaseException as e:
+            self.report("checkpoint_failed", step=self.steps_done, error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_config.EXIT_NOT_SAVED)
         self._save_and_exit(reason, Phase.POST, announced=True)
 
     def _save_at_script_end(self) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,33 @@ def subreaper():
     libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     yield
     libc.prctl(36, 0, 0, 0, 0)
+
+
+# -- a real TCPStore on loopback, and the reject lines of jitckpt.auth --------------------------
+
+
+@pytest.fixture
+def store():
+    """A TCPStore master on loopback (the agent's store); clients come from ``store_client``."""
+    import torch.distributed as dist
+
+    yield dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def store_client(store):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
+                         wait_for_workers=False)
+
+
+@pytest.fixture
+def rejected():
+    """The reject lines of jitckpt.auth (what, why), as the agent's events log gets them."""
+    from jitckpt import auth
+
+    got: list[tuple[str, str]] = []
+    auth.on_reject(lambda what, why: got.append((what, why)))
+    yield got
+    auth.on_reject(auth._stderr_hook)
+

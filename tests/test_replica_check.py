@@ -4,11 +4,10 @@ and what the launcher makes of the verified digests (the recovery record's ``fin
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import store_client as _client
 
 from jitckpt import auth
 from jitckpt.verify import replica_check
@@ -18,17 +17,6 @@ from jitrun.recovery.record import recovery_record, verified_fingerprint
 from jitrun.recovery.reports import ReportBook
 
 TOKEN = "replica-check-token-0123456789abcdef"
-
-
-@pytest.fixture
-def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    yield master
-
-
-def _client(master):
-    return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30),
-                         wait_for_workers=False)
 
 
 def _state(flip: str | None = None) -> list:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
+from conftest import store_client as client
 
 from jitckpt import auth
 from jitckpt.sealed_store import STOP, Requests, Space, StoreRecordError, space
@@ -20,28 +19,8 @@ OTHER = "another-jobs-token-0123456789abcd"
 SCHEMA = auth.Schema({"ok": bool}, {"why": str})
 
 
-@pytest.fixture
-def server():
-    s = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    yield s
-    del s
-
-
-def client(server) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30),
-                         wait_for_workers=False)
-
-
-@pytest.fixture
-def rejected():
-    got: list[tuple[str, str]] = []
-    auth.on_reject(lambda what, why: got.append((what, why)))
-    yield got
-    auth.on_reject(auth._stderr_hook)
-
-
-def test_round_trip_keeps_auths_wire_format(server):
-    c = client(server)
+def test_round_trip_keeps_auths_wire_format(store):
+    c = client(store)
     s = space(TOKEN, "mig")
     key = s.put(c, {"ok": True, "why": "x"}, "t1", "restored")
     # the same key and bytes as Auth.put: agents of one job understand each other
@@ -57,8 +36,8 @@ def test_round_trip_keeps_auths_wire_format(server):
 
 
 @pytest.mark.parametrize("how", ["other token", "flipped byte", "unsealed", "another key's seal"])
-def test_tampered_record_refused(server, rejected, how):
-    c = client(server)
+def test_tampered_record_refused(store, rejected, how):
+    c = client(store)
     s = space(TOKEN, "mig")
     key = s.key("t", "restored")
     value = {"ok": True, "why": "abc"}
@@ -82,8 +61,8 @@ def test_tampered_record_refused(server, rejected, how):
     assert rejected and all(what == "answer of t" for what, _ in rejected), rejected
 
 
-def test_flipped_byte_in_mac_refused(server):
-    c = client(server)
+def test_flipped_byte_in_mac_refused(store):
+    c = client(store)
     s = space(TOKEN, "x")
     key = s.key("k")
     doc = json.loads(auth.of(TOKEN).seal(key, 5))
@@ -93,8 +72,8 @@ def test_flipped_byte_in_mac_refused(server):
         s.wait(c, "k", "k", timeout_s=5)
 
 
-def test_wait_times_out_within_its_bound(server):
-    c = client(server)
+def test_wait_times_out_within_its_bound(store):
+    c = client(store)
     t0 = time.monotonic()
     with pytest.raises(StoreRecordError) as err:
         space(TOKEN, "mig").wait(c, "answer of t", "t", "restored", timeout_s=0.5, fix="start the target")
@@ -104,8 +83,8 @@ def test_wait_times_out_within_its_bound(server):
     assert str(err.value).startswith("answer of t (record mig/t/restored in the job's store): none came")
 
 
-def test_wait_returns_a_record_set_later(server):
-    c, writer = client(server), client(server)
+def test_wait_returns_a_record_set_later(store):
+    c, writer = client(store), client(store)
     s = space(TOKEN, "mig")
     th = threading.Timer(0.3, lambda: s.put(writer, {"ok": False, "why": "late"}, "t", "restored"))
     th.start()
@@ -113,8 +92,8 @@ def test_wait_returns_a_record_set_later(server):
     th.join()
 
 
-def test_schema_failure_refused(server, rejected):
-    c = client(server)
+def test_schema_failure_refused(store, rejected):
+    c = client(store)
     s = space(TOKEN, "mig")
     s.put(c, {"ok": "yes"}, "t", "restored")
     with pytest.raises(StoreRecordError) as err:
@@ -125,8 +104,8 @@ def test_schema_failure_refused(server, rejected):
     assert ("answer", "malformed: unexpected key(s) ['extra']") in rejected
 
 
-def test_claim_first_writer_wins(server, rejected):
-    c = client(server)
+def test_claim_first_writer_wins(store, rejected):
+    c = client(store)
     s = space(TOKEN, "migrate")
     assert s.claim(c, "pause step", 7, 1, "at") == 7
     assert s.claim(c, "pause step", 9, 1, "at") == 7  # the first one stays in force
@@ -135,8 +114,8 @@ def test_claim_first_writer_wins(server, rejected):
     assert [w for w, _ in rejected] == ["pause step 2"]
 
 
-def test_count(server):
-    c = client(server)
+def test_count(store):
+    c = client(store)
     s = space(TOKEN, "mig")
     assert s.count(c, 0, "t", "signals") == 0
     assert s.count(c, 1, "t", "signals") == 1
@@ -168,9 +147,9 @@ class _Server:
         return True
 
 
-def test_requests_served_in_order_forged_and_malformed_skipped(server, rejected):
-    srv = _Server(server)
-    c = client(server)
+def test_requests_served_in_order_forged_and_malformed_skipped(store, rejected):
+    srv = _Server(store)
+    c = client(store)
     s = space(TOKEN, "mig")
     time.sleep(0.8)  # the loop's 0.3 s waits time out meanwhile: it must go on (on_store_error says so)
     assert srv.box.send(c, {"ok": True, "why": "a"}) == 1
@@ -190,9 +169,9 @@ def test_requests_served_in_order_forged_and_malformed_skipped(server, rejected)
     assert srv.store_errors >= 1
 
 
-def test_requests_loop_ends_when_handle_says_so(server):
-    srv = _Server(server, stop_on="last")
-    c = client(server)
+def test_requests_loop_ends_when_handle_says_so(store):
+    srv = _Server(store, stop_on="last")
+    c = client(store)
     srv.box.send(c, {"ok": True, "why": "last"})
     srv.thread.join(10)
     assert not srv.thread.is_alive() and [r["why"] for r in srv.handled] == ["last"]
@@ -201,9 +180,9 @@ def test_requests_loop_ends_when_handle_says_so(server):
     assert [r["why"] for r in srv.handled] == ["last"]
 
 
-def test_requests_loop_ends_on_store_error_or_stopping(server):
+def test_requests_loop_ends_on_store_error_or_stopping(store):
     box = Requests(space(TOKEN, "xfer"), "req", "n1")
-    conn = client(server)
+    conn = client(store)
     calls = []
     t0 = time.monotonic()
     box.serve(conn, "r", problem=SCHEMA.problem, handle=lambda r: calls.append(r), stopping=lambda: False,
@@ -214,8 +193,8 @@ def test_requests_loop_ends_on_store_error_or_stopping(server):
     assert calls == []
 
 
-def test_stop_is_a_sealed_request(server):
-    c = client(server)
+def test_stop_is_a_sealed_request(store):
+    c = client(store)
     box = Requests(space(TOKEN, "mig"), "to", "n")
     box.stop(c)
     assert space(TOKEN, "mig").get(c, "stop", "to", "n", 1) == STOP

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
+from conftest import store_client as client
 
 from jitckpt import auth, contract, layout, migrate_worker
 from jitckpt.ec import files as ec_files
@@ -38,24 +39,6 @@ from jitrun.peers import stream, transfer
 TOKEN = "sec-test-token-0123456789abcdef"
 
 
-@pytest.fixture
-def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    yield master
-
-
-def client(store) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=30),
-                         wait_for_workers=False)
-
-
-@pytest.fixture
-def rejected():
-    """The reject lines, as the agent's events log gets them."""
-    got: list[tuple[str, str]] = []
-    auth.on_reject(lambda what, why: got.append((what, why)))
-    yield got
-    auth.on_reject(auth._stderr_hook)
 
 
 def tree(root: Path, skip: Path | None = None) -> set[str]:
