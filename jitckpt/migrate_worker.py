@@ -436,11 +436,13 @@ def _wait_resume_file(ctl: Path, gen: int, timeout: float | None, stop: Callable
         return res
 
 
-def migration_point(rt: Any) -> None:
+def migration_point(rt: Any) -> bool:
     """jitrun migrate (launcher/migration/control.py): at a minibatch start nothing is in flight,
     so the process groups can go, the moving ranks be dumped and restored elsewhere
-    and every rank rebuild. A migration that fails turns into a JIT save here (the
-    caller's deferred-save check runs next), so the restart loses nothing."""
+    and every rank rebuild. A migration that fails leaves the groups (and DDP's
+    reducers) torn down: True, and a deferred save that the caller must take at once,
+    before anything that needs a group (DDP's buffer broadcast, a replica check, the
+    user's collective) runs, so the restart loses nothing."""
     from .report import for_worker
 
     def before_close(gen: int, req: dict) -> None:
@@ -462,9 +464,9 @@ def migration_point(rt: Any) -> None:
                 rt.deferred = f"migration failed: {e}"
         rt.report("failure_detected", reason="migration_failed", phase=rt.phase.value,
                   step=rt.steps_done, error=str(e), minibatch_s=rt.minibatch_s())
-        return
+        return True
     if got is None:
-        return
+        return False
     gen, req, store, watch = got
     rt._migration = watch
     if store is not None:  # this rank moved: its new store client
@@ -472,6 +474,7 @@ def migration_point(rt: Any) -> None:
     digest = rt.verifier.after_migration(gen) if rt.verifier is not None else None
     rt.report("migrated" if store is not None else "migration_resumed", gen=gen, step=rt.steps_done,
               pid=os.getpid(), node=contract.NODE.get() or None, fingerprint=digest)
+    return False
 
 
 def _migration_ctl(rt: Any) -> Path:

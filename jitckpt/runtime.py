@@ -182,15 +182,20 @@ class Runtime:
         data position) and EC snapshots (after a step only). ``collective``:
         reached at an explicit collective, which may not start a minibatch
         (a barrier after the loop); only reached from POST there."""
-        self._start_head(provisional=collective if provisional is None else provisional)
+        self._start_head(provisional=collective if provisional is None else provisional, collective=collective)
         self._start_tail(post=self.phase is Phase.POST, collective=collective)
 
-    def _start_head(self, provisional: bool = False) -> None:
+    def _start_head(self, provisional: bool = False, collective: bool = False) -> None:
+        groups_gone = False
         if self._migration is not None:
             from .migrate_worker import migration_point
 
-            migration_point(self)
+            groups_gone = migration_point(self)
         self.listeners.fire(Event.MINIBATCH_START, provisional)
+        if groups_gone:
+            # A failed migration left no process group and no DDP reducer: what follows (DDP's
+            # buffer broadcast in a forward, the replica check, the collective) would raise.
+            self._save_deferred(post_step=collective and self.phase is Phase.POST)
 
     def _start_tail(self, post: bool, collective: bool) -> None:
         if self.verifier is None and (not post or not self.listeners.has(Event.SNAPSHOT)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from conftest import assert_same_state, assert_verified_fingerprint
 from netns import Cluster, Proc
 from test_multinode import Job, mn_reference  # noqa: F401  (the fixture)
 
+from jitckpt.config import EXIT_SAVED
 from jitrun.migration import criu
 
 WHY = Cluster.unavailable()
@@ -160,6 +162,15 @@ def test_failed_migration_falls_back_to_jit_restart(fault, mn_reference, criu_ok
         assert len(recs) == 1 and recs[0]["redone_minibatches"] <= 1, (recs, job.logs())
         assert_verified_fingerprint(recs[0])
         assert not [e for e in evs if e["event"] == "migration_restored"]
+        # every rank of the failed attempt that still ran took the JIT save where it paused and
+        # exited with it (not only the one a stop signal happened to reach in time); the dumped rank
+        # was ended by its dump
+        restart_t = min(e["t"] for e in evs if e["event"] == "restart")
+        exits = {e["rank"]: e["exitcode"] for e in evs if e["event"] == "worker_exit" and e["t"] < restart_t}
+        assert exits == {0: EXIT_SAVED, 1: EXIT_SAVED if fault == "kill-criu" else -signal.SIGKILL}, exits
+        step = failed[0].get("step") or next(e["step"] for e in evs if e["event"] == "migrating")
+        saved = sorted(e["rank"] for e in evs if e["event"] == "checkpoint_saved" and e["step"] == step)
+        assert saved == ([0, 1] if fault == "kill-criu" else [0]), saved
 
 
 def test_failing_device_moves_its_rank_live(mn_reference, criu_ok):  # noqa: F811

@@ -11,6 +11,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -183,6 +184,42 @@ def test_request_save_before_training_saves_as_init(rt):
     with pytest.raises(SaveCalled):
         rt.request_save("sigterm")
     assert rt.saves == [("sigterm", Phase.INIT)]
+
+
+@pytest.mark.parametrize("next_hook", ["ddp-forward", "forward", "collective", "backward"])
+def test_a_failed_migration_is_saved_where_the_rank_paused(rt, store, next_hook):
+    """A migration that fails leaves this rank's groups and DDP's reducer torn down. The
+    save must come at that minibatch start, before DDP's ``_pre_forward`` (its buffer
+    broadcast), a collective or backward runs on what is gone: not when a stop signal from
+    the agent happens to arrive first."""
+    from jitckpt import migrate_worker as mw
+    from jitrun.migration import control as migrate
+
+    _minibatch(rt)
+    sent: list[tuple[str, dict]] = []
+    rt.reporter = SimpleNamespace(send=lambda event, **fields: sent.append((event, fields)))
+    rt._migration = mw.Watch(store, "tok")
+    gen = migrate.request(store, "tok", rank=1, to="nowhere")  # a peer moves; this rank waits for it
+    migrate.put(store, "tok", "transfer failed: no agent there", gen, "failed")
+    assert rt._migration.poll(0) is None  # seen during minibatch 0: the pause is at the start of 1
+    with pytest.raises(SaveCalled, match="migration failed"):
+        {"ddp-forward": lambda: rt.on_forward(body_follows=True), "forward": rt.on_forward,
+         "collective": rt.on_collective, "backward": lambda: rt.on_backward(None)}[next_hook]()
+    # at a plain collective after the step, as any save there: labelled post-step
+    assert rt.saves == [(rt.deferred, Phase.POST if next_hook == "collective" else Phase.FWD)]
+    assert rt.steps_done == 1
+    assert migrate.paused_ranks(store, "tok", gen, 1) == [0]  # it did pause (told its agent), then saved
+    assert [f["reason"] for e, f in sent if e == "failure_detected"] == ["migration_failed"]
+
+
+def test_no_migration_request_takes_no_save(rt, store):
+    from jitckpt import migrate_worker as mw
+
+    _minibatch(rt)
+    rt._migration = mw.Watch(store, "tok")
+    rt.on_forward(body_follows=True)
+    rt.on_forward_body()
+    assert rt.saves == [] and rt.deferred is None
 
 
 def test_on_collective_error_saves_now_in_backward(rt):
