@@ -8,7 +8,7 @@ Launch with ``jitrun`` (a drop-in for ``torchrun``).
 """
 
 from .api import checkpoint_step, expect_delay, get_checkpoint_path, register
-from .config import EXIT_NOT_SAVED, EXIT_SAVED
+from .wire.config import EXIT_NOT_SAVED, EXIT_SAVED
 
 __all__ = ["resumable", "register", "get_checkpoint_path", "checkpoint_step", "expect_delay", "EXIT_SAVED",
            "EXIT_NOT_SAVED"]

@@ -5,7 +5,8 @@ its forked workers, bound to the server (jitckpt/parent_death.py), follow."""
 import os
 import signal
 
-from . import contract, parent_death
+from . import parent_death
+from .wire import contract
 
 SERVER_PID = os.getpid()  # a forked worker's expected parent
 

@@ -42,7 +42,8 @@ def _run() -> None:
     import sys
     import time
 
-    from jitckpt import contract, import_record
+    from jitckpt import import_record
+    from jitckpt.wire import contract
 
     t0 = time.monotonic()
     dirs = import_record.site_dirs()

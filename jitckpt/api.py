@@ -11,10 +11,10 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from . import config, layout
 from .listeners import Event
 from .runtime import Runtime, SaveFn
 from .verify.consistency import FRESH
+from .wire import config, layout
 
 _runtime: Runtime | None = None
 _registered_at: str | None = None

@@ -41,13 +41,14 @@ import threading
 import weakref
 from datetime import timedelta
 
-from . import contract, torch_compat
+from . import torch_compat
 from .collective_errors import find_collective_error, is_collective_error
-from .config import shim_preloaded
 from .listeners import Event
 from .runtime import Phase, Runtime
 from .torch_compat import set_pg_timeout
 from .torch_compat.worker import patch_ddp_pre_forward, patch_env_rendezvous, process_groups
+from .wire import contract
+from .wire.config import shim_preloaded
 
 _COLLECTIVES = (
     "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",

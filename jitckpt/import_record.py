@@ -25,7 +25,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from . import contract
+from .wire import contract
 
 FILE = "warm-imports.json"
 STATUS_FILE = "warm-imports.status.json"

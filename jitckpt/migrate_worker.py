@@ -47,8 +47,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from . import auth, contract
 from .sealed_store import Space, space
+from .wire import auth, contract
 
 RESUME = "resume-{gen}.json"
 PAUSED = "paused-{gen}.json"
@@ -443,7 +443,7 @@ def migration_point(rt: Any) -> bool:
     reducers) torn down: True, and a deferred save that the caller must take at once,
     before anything that needs a group (DDP's buffer broadcast, a replica check, the
     user's collective) runs, so the restart loses nothing."""
-    from .report import for_worker
+    from .wire.report import for_worker
 
     def before_close(gen: int, req: dict) -> None:
         rt.report("migrating", gen=gen, step=rt.steps_done, to=req.get("to"), pid=os.getpid(),

@@ -31,8 +31,8 @@ import os
 import signal
 import sys
 
-from . import contract
-from .layout import _alive  # the one liveness probe (kill 0; EPERM: alive)
+from .wire import contract
+from .wire.layout import _alive  # the one liveness probe (kill 0; EPERM: alive)
 
 _PR_SET_PDEATHSIG = 1
 

@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn
 
 from . import api
-from .config import EXIT_REFUSED
+from .wire.config import EXIT_REFUSED
 
 
 def refuse(why: str) -> NoReturn:

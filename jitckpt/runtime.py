@@ -49,11 +49,12 @@ from collections.abc import Callable
 from enum import Enum
 
 from . import buffers as _buffers
-from . import config as _config
-from . import contract, import_record, layout, parent_death, save_space
 from . import faults as _faults
+from . import import_record, parent_death, save_space
 from .collective_errors import find_collective_error
 from .listeners import Event, Listeners
+from .wire import config as _config
+from .wire import contract, layout
 
 SaveFn = Callable[[str], None]
 
@@ -113,7 +114,7 @@ class Runtime:
     def connect(self) -> None:
         if not self.cfg.managed or self.cfg.store_addr is None:
             return
-        from .report import for_worker, process_start_time
+        from .wire.report import for_worker, process_start_time
 
         self.reporter = for_worker(self.cfg)
         # --jit-migratable: the old fixed rule (a mapped status file cannot move with a CRIU dump)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import layout
+from .wire import layout
 
 NEAR_FULL = 1 << 20  # a write failing with less than this free is taken as the disk being full
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)

@@ -1,7 +1,7 @@
 """Sealed records in the job's coordination store: writing, reading and waiting
 for them, and the numbered request loop of a node's servers, in one place.
 
-torch's TCPStore has no authentication (:mod:`jitckpt.auth`): a record read there
+torch's TCPStore has no authentication (:mod:`jitckpt.wire.auth`): a record read there
 counts only when it verifies under the job token. The helpers here never hand a
 caller a value that did not verify, so no caller reads raw bytes of a record:
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from . import auth
+from .wire import auth
 
 STOP = {"stop": True}  # the request that ends a server's loop (sealed like any other)
 

@@ -31,10 +31,10 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from jitckpt import auth, layout
 from jitckpt.error_file import State
-from jitckpt.report import JOB, Reporter, ReportReader, connect
 from jitckpt.torch_compat import elastic
+from jitckpt.wire import auth, layout
+from jitckpt.wire.report import JOB, Reporter, ReportReader, connect
 
 from . import error_files, rdzv, warm
 from . import worker_env as jit_env

@@ -18,8 +18,9 @@ import time
 import uuid
 from pathlib import Path
 
-from jitckpt import contract, layout, torch_compat
-from jitckpt.config import DEFAULT_TIMEOUT_S
+from jitckpt import torch_compat
+from jitckpt.wire import contract, layout
+from jitckpt.wire.config import DEFAULT_TIMEOUT_S
 
 from . import worker_env
 from .arg_checks import DEFAULT_EC_EVERY, _check_ec, _check_program, _check_seconds, _check_sizes
@@ -194,7 +195,7 @@ def _check_token(args) -> str | None:
     """Sets ``args.job_token``: JITCKPT_TOKEN, or for a one-node job a random one."""
     from torch.distributed.run import parse_min_max_nnodes
 
-    from jitckpt import auth
+    from jitckpt.wire import auth
 
     try:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
@@ -372,7 +373,7 @@ def _previous_run(root: Path, job_id: str, resume: bool) -> None:
 
 
 def _tell_workers(args, root: Path, job_id: str, timeout: float, fixed: bool) -> None:
-    """The contract's variables every worker starts with (jitckpt/contract.py)."""
+    """The contract's variables every worker starts with (jitckpt/wire/contract.py)."""
     ec_every = getattr(args, "jit_ec_every", 0)
     worker_env.job(root=root, job_id=job_id, token=args.job_token, timeout_s=timeout, fixed=fixed,  # token: check_args
                    ec_every=ec_every, ec_code=getattr(args, "jit_ec_code", "auto"),

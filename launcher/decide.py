@@ -18,7 +18,7 @@ grow as the square of the node count). A decider whose agent stops beating
 taken over: the waiting agents compute it themselves, first writer wins as
 before. A claim record that does not verify makes every agent compute.
 
-Records, sealed under the job token (``jitckpt.auth``: key names are MACs of
+Records, sealed under the job token (``jitckpt.wire.auth``: key names are MACs of
 these labels) in the coordination store (``rdzv``): ``round/<r>/node/<group
 rank>`` who is in round r; ``round/<r>/inv/<node>``; ``round/<r>/handling/<node>``
 and ``round/<r>/failed``; ``round/<r>/decider`` (the claiming agent's node id);
@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 
-from jitckpt import auth
 from jitckpt.sealed_store import space
+from jitckpt.wire import auth
 
 from .decision import INVENTORY, NODE, SHARD_MAP, Decision, DecisionTampered, NodeInfo
 

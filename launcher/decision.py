@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jitckpt import auth, contract, layout
+from jitckpt.wire import auth, contract, layout
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 from .migration import criu
 

@@ -24,9 +24,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from jitckpt import layout
 from jitckpt.ec import files as ec_files
 from jitckpt.ec import memory as ec_memory
+from jitckpt.wire import layout
 
 PROG = "jitrun clean"
 

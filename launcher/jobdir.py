@@ -20,7 +20,7 @@ import errno
 import hashlib
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt.wire import layout
 
 from . import joblock
 

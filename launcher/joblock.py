@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jitckpt import layout
 from jitckpt.hang import status as rank_status
+from jitckpt.wire import layout
 
 LOCK_FILE = "jitrun.lock"
 AGENTS_DIR = "agents"

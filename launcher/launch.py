@@ -20,8 +20,9 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from jitckpt import layout, torch_compat
+from jitckpt import torch_compat
 from jitckpt.torch_compat import elastic
+from jitckpt.wire import layout
 
 from . import rdzv, worker_env
 from .agent import JitAgent

@@ -93,7 +93,7 @@ def coordination_store(handler):
 
 def mark_succeeded(handler, token: str) -> None:
     """An agent whose workers finished the job says so before closing the rendezvous."""
-    from jitckpt import auth
+    from jitckpt.wire import auth
 
     store = coordination_store(handler)
     if store is not None:
@@ -105,7 +105,7 @@ def mark_succeeded(handler, token: str) -> None:
 
 def job_succeeded(handler, token: str) -> bool:
     """Did an agent of the job (a sealed record, not anyone's key) say it finished?"""
-    from jitckpt import auth
+    from jitckpt.wire import auth
 
     store = coordination_store(handler)
     try:
@@ -116,7 +116,7 @@ def job_succeeded(handler, token: str) -> bool:
 
 def _read_key(token: str) -> str:
     # a count, not a record: a forged bump only lets the host leave early (a spare then says so)
-    from jitckpt import auth
+    from jitckpt.wire import auth
 
     return auth.of(token).key("job-outcome-read")
 

@@ -29,8 +29,8 @@ import select
 import threading
 from datetime import timedelta
 
-from jitckpt import auth
-from jitckpt.report import JOB, WAKE, Stream
+from jitckpt.wire import auth
+from jitckpt.wire.report import JOB, WAKE, Stream
 
 # a slot not set after this long is skipped when later ones exist (its writer
 # died between its two calls); anything else wakes the waiter at once
@@ -69,7 +69,7 @@ class Wakeup:
         self._thread.start()
 
     def _run(self, addr: tuple[str, int], token: str, stream: str, stop: threading.Event) -> None:
-        from jitckpt.report import connect
+        from jitckpt.wire.report import connect
 
         s = Stream(auth.of(token), stream)
         try:
@@ -144,7 +144,7 @@ class Wakeup:
         self._stop.set()
         if self._watching is not None and self._token is not None and self._next:
             try:
-                from jitckpt.report import connect
+                from jitckpt.wire.report import connect
 
                 a = auth.of(self._token)
                 key = Stream(a, self._stream).slot(self._next)

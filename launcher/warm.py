@@ -42,12 +42,12 @@ import sys
 import time
 from pathlib import Path
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 # _server_bind first: the server dies with the agent from then on (jitckpt/parent_death.py)
 PRELOAD = ["jitckpt._server_bind", "torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-           "jitckpt._bootstrap", "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.layout", "jitckpt.report",
-           "jitckpt.verify.consistency"]
+           "jitckpt._bootstrap", "jitckpt.api", "jitckpt.hooks", "jitckpt.runtime", "jitckpt.wire.layout",
+           "jitckpt.wire.report", "jitckpt.verify.consistency"]
 
 
 _server_env: dict[str, str] | None = None

@@ -1,7 +1,7 @@
 """The one writer of what jitrun's workers find in their environment beyond
 torchrun's own variables: the job's settings (once, before anything starts),
 this node's report stream, each round's attempt and restore plan, and a
-scheduler's placement. Every value is a ``jitckpt.contract`` variable or one
+scheduler's placement. Every value is a ``jitckpt.wire.contract`` variable or one
 of the few variables of others that jitrun sets for its workers (LD_PRELOAD,
 PYTHONPATH, CUDA_VISIBLE_DEVICES, the scheduler's own).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 _changed: set[str] = set()  # names set after the warm-start server took its copy of the environment
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
-from jitckpt import layout
 from jitckpt.torch_compat import elastic
+from jitckpt.wire import layout
 
 from .migration.agents import Remote
 

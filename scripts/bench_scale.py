@@ -9,7 +9,7 @@ coordination code against real torch TCPStores, all under one job token:
   agent patches it; a hot spare waits (reported through ``num_nodes_waiting``)
   and is admitted in the round after the failure;
 * report intake: every simulated rank writes its reports with
-  ``jitckpt.report.Reporter`` into its node's stream; each node reads its own with
+  ``jitckpt.wire.report.Reporter`` into its node's stream; each node reads its own with
   ``ReportReader`` into ``launcher.recovery.reports.ReportBook`` and posts its
   ranks' shard map (``Coordinator.post_shards``) for the deciding agent;
 * the job-wide restore decision: ``launcher.decide.Coordinator`` (handling
@@ -74,8 +74,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     RendezvousTimeout,
 )
 
-from jitckpt import auth  # noqa: E402
-from jitckpt.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
+from jitckpt.wire import auth  # noqa: E402
+from jitckpt.wire.report import JOB, Reporter, ReportReader, Stream  # noqa: E402
 from jitrun import decide, decision, rdzv  # noqa: E402
 from jitrun.recovery.failure import Failure  # noqa: E402
 from jitrun.recovery.reports import ReportBook  # noqa: E402
@@ -420,7 +420,7 @@ XFER_JOB = "bench-xfer"
 def _make_replica(root: Path, mib: int) -> dict:
     """A published replica (one file of ``mib`` MiB) of step 1, shard 0, as a save
     leaves it; its source record as the restore decision carries it."""
-    from jitckpt import layout
+    from jitckpt.wire import layout
 
     tmp = layout.staging_dir(root, 1, "0", 0)
     block = os.urandom(1 << 20)
@@ -437,7 +437,7 @@ def _restore_fetch(port: int, token: str, src_root: Path, source: dict, dst: Pat
     name of its own: an agent's requests are numbered per node), every store call of
     both counted; ``listen``: the requester's address for the direct stream (None:
     the store path)."""
-    from jitckpt import layout
+    from jitckpt.wire import layout
     from jitrun.peers import transfer
 
     tally = Tally()

@@ -303,7 +303,7 @@ def subreaper():
     libc.prctl(36, 0, 0, 0, 0)
 
 
-# -- a real TCPStore on loopback, and the reject lines of jitckpt.auth --------------------------
+# -- a real TCPStore on loopback, and the reject lines of jitckpt.wire.auth --------------------------
 
 
 @pytest.fixture
@@ -323,8 +323,8 @@ def store_client(store):
 
 @pytest.fixture
 def rejected():
-    """The reject lines of jitckpt.auth (what, why), as the agent's events log gets them."""
-    from jitckpt import auth
+    """The reject lines of jitckpt.wire.auth (what, why), as the agent's events log gets them."""
+    from jitckpt.wire import auth
 
     got: list[tuple[str, str]] = []
     auth.on_reject(lambda what, why: got.append((what, why)))

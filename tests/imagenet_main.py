@@ -288,7 +288,7 @@ def main_worker(args):
 def log_step(args, state):  # test: the step log, then the step counter (read at the next minibatch's start)
     if args.step_log:
         with open(f"{args.step_log}.rank{max(args.rank, 0)}", "a") as f:
-            f.write(f"{jitckpt.contract.attempt()} {state['step']}\n")
+            f.write(f"{jitckpt.wire.contract.attempt()} {state['step']}\n")
     state["step"] += 1
 
 

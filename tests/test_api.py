@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import api, hooks, layout
+from jitckpt import api, hooks
+from jitckpt.wire import layout
 
 JOB = "job-api"
 ENV = ("JITCKPT_DIR", "JITCKPT_JOB_ID", "JITCKPT_TOKEN", "JITCKPT_RESTORE_STEP", "JITCKPT_FAULT",

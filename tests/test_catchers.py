@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import Job, assert_same_state, run_reference, run_tree
 
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire.config import EXIT_SAVED
 
 HERE = Path(__file__).with_name("catchers")
 JITRUN = Path(sys.executable).with_name("jitrun")  # the console script a user types

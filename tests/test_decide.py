@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from jitckpt import contract, layout
 from jitckpt.verify.consistency import FRESH, StateDivergence, check_loaded
+from jitckpt.wire import contract, layout
 from jitrun import decide, decision, netconf
 from jitrun.peers import transfer
 
@@ -435,7 +435,7 @@ def test_an_agent_restarts_on_the_decision_it_read_not_an_older_newest_record(mo
 
 def test_restore_plan_is_one_value_on_both_sides():
     """The agents' plan and the worker's reading of it: the same value through the environment."""
-    from jitckpt.contract import RestorePlan
+    from jitckpt.wire.contract import RestorePlan
 
     for plan in (RestorePlan(), RestorePlan(True, None), RestorePlan(True, 12), RestorePlan(True, 8, 10),
                  RestorePlan(True, None, 10)):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from netns import Cluster
 
-from jitckpt import contract
+from jitckpt.wire import contract
 from jitrun import doctor
 from jitrun.migration import criu
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import contract, layout
 from jitckpt.ec import files as ec_files
 from jitckpt.ec import pack as ec_pack
+from jitckpt.wire import contract, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ import pytest
 import test_ec_snapshot as snap_t
 from test_ec_snapshot import JOB, node_dir, scan
 
-from jitckpt import contract
 from jitckpt.ec import memory as ec_memory
 from jitckpt.ec import pack as ec_pack
+from jitckpt.wire import contract
 
 ROOT = Path(__file__).resolve().parent.parent
 cluster = snap_t.cluster  # the fixture: a TCPStore master and one directory per "node", shared

@@ -21,11 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jitckpt import contract  # noqa: E402
 from jitckpt.ec import files as ec_files  # noqa: E402
 from jitckpt.ec import pack as ec_pack  # noqa: E402
 from jitckpt.ec import snapshot as ec_snapshot  # noqa: E402
 from jitckpt.listeners import Event  # noqa: E402
+from jitckpt.wire import contract  # noqa: E402
 
 
 def _content(rank: int, step: int) -> dict[str, bytes]:
@@ -38,8 +38,9 @@ def _content(rank: int, step: int) -> dict[str, bytes]:
 
 
 def _runtime():
-    from jitckpt import api, config
+    from jitckpt import api
     from jitckpt.runtime import Runtime
+    from jitckpt.wire import config
 
     rt = Runtime(config.from_env())
     api._runtime = rt
@@ -82,7 +83,8 @@ def worker_snap(steps: int, every: int) -> None:
 
 
 def worker_restore() -> None:
-    from jitckpt import api, layout
+    from jitckpt import api
+    from jitckpt.wire import layout
 
     rt = _runtime()
     rt.shard = "0"
@@ -385,8 +387,8 @@ def test_inventory_lists_ec_only_when_enabled(tmp_path, monkeypatch):
 
 
 def test_default_off_installs_nothing(monkeypatch):
-    from jitckpt import config
     from jitckpt.runtime import Runtime
+    from jitckpt.wire import config
 
     monkeypatch.setenv("JITCKPT_DIR", "/nonexistent")
     monkeypatch.setenv("JITCKPT_TOKEN", "t")

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TRAIN, assert_same_state
 
-from jitckpt import layout
-from jitckpt.config import EXIT_NOT_SAVED
+from jitckpt.wire import layout
+from jitckpt.wire.config import EXIT_NOT_SAVED
 
 WHY = (None if os.geteuid() == 0 and shutil.which("unshare") and shutil.which("nsenter")
        else "needs root and util-linux unshare/nsenter (a tmpfs in a private mount namespace)")
@@ -178,7 +178,8 @@ def test_full_jit_dir_at_the_save_stops_cleanly_and_the_last_checkpoint_restores
 _PIECES = """\
 import errno, json, os, sys, torch
 from pathlib import Path
-from jitckpt import contract, save_space
+from jitckpt import save_space
+from jitckpt.wire import contract
 from jitckpt.hang import waits as collective_waits
 from jitckpt.hang import status as rank_status
 from jitrun.events import EventLog, load

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from jitckpt import contract
 from jitckpt.hang.bound import FLOOR_S, MULT, STARTUP_S, HangBound, Rule, parse_timeout, quantile
 from jitckpt.hang.status import StatusReader, StatusWriter
+from jitckpt.wire import contract
 from jitrun.recovery.hang import Facts, assess
 
 

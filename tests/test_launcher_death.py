@@ -20,7 +20,7 @@ import psutil
 import pytest
 from conftest import TRAIN, assert_same_state, run_tree
 
-from jitckpt.config import EXIT_NOT_SAVED, EXIT_SAVED
+from jitckpt.wire.config import EXIT_NOT_SAVED, EXIT_SAVED
 
 STEPS = 40
 

@@ -1,4 +1,4 @@
-"""Unit tests for jitckpt.layout: atomic publish, validation, selection, job ownership."""
+"""Unit tests for jitckpt.wire.layout: atomic publish, validation, selection, job ownership."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt import layout
-from jitckpt.layout import CheckpointDirError, Replica
+from jitckpt.wire import layout
+from jitckpt.wire.layout import CheckpointDirError, Replica
 
 JOB = "job-a"
 

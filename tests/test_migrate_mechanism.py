@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from netns import CRIU_RESTORE_ON_NODE, Cluster, MigratableProcs, copy_dir, wait_for_line
 
-from jitckpt import auth, contract
+from jitckpt.wire import auth, contract
 from jitrun.migration import criu
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ from conftest import assert_same_state, assert_verified_fingerprint
 from netns import Cluster, Proc
 from test_multinode import Job, mn_reference  # noqa: F401  (the fixture)
 
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire.config import EXIT_SAVED
 from jitrun.migration import criu
 
 WHY = Cluster.unavailable()

@@ -17,7 +17,7 @@ import pytest
 from conftest import TRAIN, assert_same_state, assert_verified_fingerprint, run_reference
 from netns import Cluster, Node, Proc, signal_all
 
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire.config import EXIT_SAVED
 
 WHY = Cluster.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WHY is not None, reason=WHY or "")]

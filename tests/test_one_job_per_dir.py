@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import TRAIN, assert_same_state, assert_verified_fingerprint
 
-from jitckpt import layout
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire import layout
+from jitckpt.wire.config import EXIT_SAVED
 from jitrun import jobdir, joblock
 
 STEPS = 16

@@ -28,7 +28,7 @@ import psutil
 import pytest
 from conftest import TRAIN, Job, assert_same_state, jitrun, run_reference, run_tree
 
-from jitckpt import layout
+from jitckpt.wire import layout
 from jitrun.preempt import EXIT_PREEMPTED, Preemption, torch_signals
 
 STEPS = 16

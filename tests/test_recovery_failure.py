@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jitckpt.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
+from jitckpt.wire.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
 from jitrun.recovery.detect import Detector
 from jitrun.recovery.episode import Episode
 from jitrun.recovery.failure import Failure, IllegalTransition, RecoveryBook, Stage

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import store_client as _client
 
-from jitckpt import auth
 from jitckpt.verify import replica_check
 from jitckpt.verify.fingerprint import compute
+from jitckpt.wire import auth
 from jitrun.recovery.failure import Failure
 from jitrun.recovery.record import recovery_record, verified_fingerprint
 from jitrun.recovery.reports import ReportBook

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from netns import Cluster, wait_for_line
 from test_security import outside, tree
 
-from jitckpt import auth, contract, layout
+from jitckpt.wire import auth, contract, layout
 from jitrun.peers import stream, transfer
 
 TOKEN = "replica-fetch-token-0123456789"

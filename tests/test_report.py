@@ -1,4 +1,4 @@
-"""Unit tests for jitckpt.report over a real torch.distributed TCPStore."""
+"""Unit tests for jitckpt.wire.report over a real torch.distributed TCPStore."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from jitckpt import auth, report
-from jitckpt.report import Reporter, ReportReader
+from jitckpt.wire import auth, report
+from jitckpt.wire.report import Reporter, ReportReader
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ import pytest
 import torch
 from conftest import ROOT, Job, assert_same_state, run_reference, run_tree
 
-from jitckpt import layout
 from jitckpt.resume import sharded as resume_sharded
+from jitckpt.wire import layout
 
 TRAIN = ROOT / "tests" / "sharded_train.py"
 STEPS = 12

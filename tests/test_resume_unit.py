@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jitckpt import api, hooks, layout, resume
+from jitckpt import api, hooks, resume
 from jitckpt.listeners import Event
 from jitckpt.resume import data as resume_data
+from jitckpt.wire import layout
 
 ENV = ("JITCKPT_DIR", "JITCKPT_JOB_ID", "JITCKPT_TOKEN", "JITCKPT_RESTORE_STEP", "JITCKPT_FAULT",
        "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "LD_PRELOAD")

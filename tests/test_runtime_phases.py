@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from jitckpt import layout
 from jitckpt.collective_errors import find_collective_error, is_collective_error
-from jitckpt.config import WorkerConfig
-from jitckpt.contract import RestorePlan
 from jitckpt.faults import InjectedFault
 from jitckpt.listeners import Event
 from jitckpt.runtime import Phase, Runtime
+from jitckpt.wire import layout
+from jitckpt.wire.config import WorkerConfig
+from jitckpt.wire.contract import RestorePlan
 
 
 class SaveCalled(Exception):

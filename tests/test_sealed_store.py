@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import store_client as client
 
-from jitckpt import auth
 from jitckpt.sealed_store import STOP, Requests, Space, StoreRecordError, space
+from jitckpt.wire import auth
 
 TOKEN = "sealed-store-test-token-0123456789"
 OTHER = "another-jobs-token-0123456789abcd"

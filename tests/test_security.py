@@ -26,10 +26,11 @@ import torch.distributed as dist
 from conftest import TRAIN, assert_same_state, run_tree
 from conftest import store_client as client
 
-from jitckpt import auth, contract, layout, migrate_worker
+from jitckpt import migrate_worker
 from jitckpt.ec import files as ec_files
-from jitckpt.report import Reporter, ReportReader
 from jitckpt.verify import consistency
+from jitckpt.wire import auth, contract, layout
+from jitckpt.wire.report import Reporter, ReportReader
 from jitrun import decide, decision
 from jitrun.events import EventLog
 from jitrun.migration import agents as migrate_agent

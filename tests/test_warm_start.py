@@ -143,7 +143,7 @@ def test_wakeup_on_process_exit():
 def test_wakeup_on_report():
     import torch.distributed as dist
 
-    from jitckpt.report import Reporter
+    from jitckpt.wire.report import Reporter
     from jitrun.wakeup import Wakeup
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,

@@ -21,7 +21,7 @@ import torch
 from compare_state import diff_states
 from conftest import Job, _run_wide_dir, assert_same_state, run_reference, run_tree
 
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire.config import EXIT_SAVED
 
 JITRUN = Path(sys.executable).with_name("jitrun")  # the console script a user types
 # one thread per rank: two ranks on a 2-core machine, and the same kernels in reference and recovered runs

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import jitckpt
-from jitckpt import contract
+from jitckpt.wire import contract
 
 MODELS = ("resnet", "resnet-nobb", "lstm", "transformer", "accum", "compiled")
 STEPS_PER_EPOCH = 4  # optimizer steps per rank and epoch, with 2 ranks

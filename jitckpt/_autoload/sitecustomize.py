@@ -14,7 +14,8 @@ def _attach() -> None:
     if os.environ.get("RANK") is None:
         return
     try:
-        from jitckpt import _bootstrap, contract
+        from jitckpt import _bootstrap
+        from jitckpt.wire import contract
     except ImportError:  # a Python without jitckpt (and torch): nothing to attach
         return
     if contract.DIR.get() is None:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import contract, layout
+from ..wire import contract, layout
 from . import pack as ec_pack
 
 VERSIONS_HELD = 2  # while version v+1 is placed, version v is still the committed one

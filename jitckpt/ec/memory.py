@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import contract
+from ..wire import contract
 from . import pack as ec_pack
 from .files import VERSIONS_HELD, shm_base
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import layout
+from ..wire import layout
 
 __all__ = [
     "PackError", "ChunkError", "ChunkTag", "pack_dir", "unpack", "write_chunk", "read_chunk", "chunk_name",

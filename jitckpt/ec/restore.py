@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import contract, layout
+from ..wire import contract, layout
 from . import files as ec_files
 from . import pack as ec_pack
 from . import snapshot as ec_snapshot

@@ -41,8 +41,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import contract, layout
 from ..listeners import Event
+from ..wire import contract, layout
 from . import files as ec_files
 from . import memory as ec_memory
 from . import pack as ec_pack

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .. import auth
+from ..wire import auth
 
 NOT_ASKED = None
 FRESH = "fresh"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .. import auth
+from ..wire import auth
 from .fingerprint import Fingerprint
 
 POST = auth.Schema({"shard": str, "digest": str})

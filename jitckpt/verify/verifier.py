@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from .. import auth, contract, layout, tracked
-from .. import config as _config
+from .. import tracked
 from ..runtime import Phase, Runtime
+from ..wire import auth, contract, layout
+from ..wire import config as _config
 from . import replica_check
 from .fingerprint import Fingerprint, compute, state_items, tensors_by_name, words
 

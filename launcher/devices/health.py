@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 # XIDs after which a device should not be trusted with a job (NVIDIA's XID catalogue):
 # 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92 high

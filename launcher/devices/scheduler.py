@@ -51,7 +51,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 from . import slurm
 

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 # Node state flags (``scontrol show node`` State=BASE+FLAG+...) that make a node
 # unfit to host a replacement agent.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 from .. import worker_env
 from ..migration import agents as migrate_agent

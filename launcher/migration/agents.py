@@ -57,8 +57,9 @@ from typing import Any
 
 import psutil
 
-from jitckpt import auth, contract, layout, migrate_worker
+from jitckpt import migrate_worker
 from jitckpt.sealed_store import Requests, Space, StoreRecordError, space
+from jitckpt.wire import auth, contract, layout
 
 from ..events import EventLog
 from ..migration import device_loss

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from jitckpt import contract
+from jitckpt.wire import contract
 
 OUT_TEMPLATE = "{JITCKPT_DIR}/migrate/out/rank{RANK}.a{TORCHELASTIC_RESTART_COUNT}.log"
 
@@ -84,7 +84,7 @@ def record_workers(agent, worker_group) -> dict:
 
 # -- the request protocol through the job's store (jitrun migrate) -----------------------
 #
-# Records sealed under the job token (jitckpt.auth; a key name is a MAC of its label):
+# Records sealed under the job token (jitckpt.wire.auth; a key name is a MAC of its label):
 # <ns>/migrate/gen             add() counter: the newest migration's number g
 # <ns>/migrate/<g>/req         {"ranks": [R, ...], "to": NODE, "t": ...} (set after gen is taken)
 # <ns>/migrate/where/<r>       the address of the node rank r runs on (its agent sets it)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 
-from jitckpt import contract, layout
+from jitckpt.wire import contract, layout
 
 VERSION = "4.1.1"
 MANIFEST = "jitckpt-manifest.json"
@@ -260,7 +260,7 @@ def dump(pid: int, images_dir: str | os.PathLike, *, leave_running: bool = False
     empty), then the checksum manifest. Without ``leave_running`` the tree is killed."""
     criu = criu or find_criu()
     d = Path(images_dir)
-    from jitckpt import layout
+    from jitckpt.wire import layout
 
     layout.makedirs_private(d)  # the images hold the whole memory of the process
     os.chmod(d, 0o700)
@@ -442,7 +442,7 @@ def _exec_main(argv: list[str]) -> int:
     if sep != "--" or not cmd:
         raise SystemExit("usage: python -m jitrun.migration.criu exec OUTPUT_TEMPLATE -- CMD...")
     output = template.format_map({**os.environ, "PID": os.getpid()})
-    from jitckpt import layout
+    from jitckpt.wire import layout
 
     layout.makedirs_private(Path(output).parent)
     libc = ctypes.CDLL(None, use_errno=True)

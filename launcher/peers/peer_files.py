@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt.wire import layout
 
 MAX_NAME = 1024
 MAX_FILES = 100_000

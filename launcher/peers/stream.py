@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from jitckpt import auth
+from jitckpt.wire import auth
 
 from . import peer_files
 

@@ -6,7 +6,7 @@ it before its workers start, so ``get_checkpoint_path()`` finds it locally.
 
 Coordination goes through the job's store (the rendezvous endpoint's TCPStore,
 see ``rdzv``): requests and announcements are sealed under the job token
-(``jitckpt.auth``). The bytes go over a direct connection from the source agent
+(``jitckpt.wire.auth``). The bytes go over a direct connection from the source agent
 to a listener the requester opens for this one fetch on its node's job address
 (``stream``: one connection, sendfile and splice), offered in a sealed record
 next to the request. When the requester cannot listen or the source cannot
@@ -51,8 +51,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
-from jitckpt import auth, contract, layout
 from jitckpt.sealed_store import Requests, Space, StoreRecordError, space
+from jitckpt.wire import auth, contract, layout
 
 from . import peer_files, stream
 from .stream import TransferError

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 
-from jitckpt import auth
+from jitckpt.wire import auth
 
 PULSE_S = 0.2
 QUIET_S = 1.0  # five beats missed

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from jitckpt.config import EXIT_SAVED
+from jitckpt.wire.config import EXIT_SAVED
 
 from ..preempt import ASK_AFTER_S, STOP_REASONS
 from ..workers import Proc, is_stopped
@@ -32,7 +32,7 @@ DIVERGED = ("jitrun: ABORT: the ranks of this job loaded different checkpoint st
 
 def no_space_line(f: Failure, jit) -> str:
     """The one line of a job stopped by a full jit dir (agent._handle_failure)."""
-    from jitckpt import layout
+    from jitckpt.wire import layout
 
     replicas, _bad = layout.scan(jit.root, jit.job_id, jit.identity)
     step = layout.select_step(replicas, {r.shard for r in replicas})

@@ -34,7 +34,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable
 
-from jitckpt.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
+from jitckpt.wire.config import EXIT_DIVERGED, EXIT_REFUSED, EXIT_SAVED
 
 from ..preempt import STOP_REASONS
 

@@ -35,7 +35,7 @@ collective across nodes: each node's ranks wait past their bound for the
 others, and each agent posts its suspicion with whether its ranks compute;
 an agent that holds every other rank's word for the same collective, none
 computing, while none of its own computes either, confirms it. Otherwise the
-ceiling, or the process groups' backstop timeout (jitckpt/contract.py
+ceiling, or the process groups' backstop timeout (jitckpt/wire/contract.py
 pg_timeout_s), ends it. Agent's main thread only.
 """
 
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jitckpt import contract
 from jitckpt.hang.bound import FLOOR_S
 from jitckpt.hang.status import Status, StatusReader
+from jitckpt.wire import contract
 
 from ..workers import has_runnable_thread, run_state
 

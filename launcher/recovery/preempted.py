@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jitckpt import layout
+from jitckpt.wire import layout
 
 from ..preempt import ASK_AFTER_S, EXIT_PREEMPTED, Preemption
 from ..workers import Proc

@@ -1,4 +1,4 @@
-"""What this node's workers' reports tell its agent (jitckpt/report.py writes
+"""What this node's workers' reports tell its agent (jitckpt/wire/report.py writes
 them): which shard each rank saves, which finished the job, what each loaded
 and when each reached its start-up milestones this round, and, during a
 failure episode, who detected it, who is saving and what was saved.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from jitckpt import contract, layout
+from jitckpt.wire import contract, layout
 
 from .. import decide, decision, worker_env
 from ..peers import transfer

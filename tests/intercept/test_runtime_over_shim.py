@@ -19,14 +19,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "shim_progs"))
 import shimtest as st  # noqa: E402
 
-from jitckpt import layout  # noqa: E402
-from jitckpt.config import EXIT_SAVED  # noqa: E402
+from jitckpt.wire import layout  # noqa: E402
+from jitckpt.wire.config import EXIT_SAVED  # noqa: E402
 
 CHILD = textwrap.dedent(
     """
     import ctypes, os, sys
     sys.path.insert(0, sys.argv[1])
-    from jitckpt import api, intercept, layout
+    from jitckpt import api, intercept
+    from jitckpt.wire import layout
     blk = ctypes.PyDLL(sys.argv[2])  # the GIL stays held during calls
     blk.blk_dev.restype = ctypes.c_void_p
     blk.blk_stream.restype = ctypes.c_void_p

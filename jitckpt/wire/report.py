@@ -2,7 +2,7 @@
 
 Both sides connect as clients to the store torchrun's agent already hosts
 (MASTER_ADDR/MASTER_PORT of the workers), so there is no server of ours. Key
-names and records are sealed under the job token (``jitckpt.auth``): a stranger
+names and records are sealed under the job token (``jitckpt.wire.auth``): a stranger
 who reaches the store can neither read the token nor inject a report the
 launcher accepts; a report that does not verify is skipped with one line.
 

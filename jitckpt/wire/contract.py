@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from .hang.bound import FLOOR_S, MULT, STARTUP_S, Rule
+from ..hang.bound import FLOOR_S, MULT, STARTUP_S, Rule
 
 T = TypeVar("T")
 Env = MutableMapping[str, str]
