@@ -14,7 +14,8 @@ Threads: the agent's main thread calls ``wait``/``watch``/``close``; the
 ``jitrun-report-waiter`` thread only blocks on its own store connection and
 writes one byte to the pipe. Shared state: ``_stop`` (an Event) and the pipe;
 no locks. The waiter's store wait has no short timeout (each expiry logs a
-C++ warning); to end it at the end of the job, the main thread sets ``_stop``
+C++ warning into the job's output); a slot whose writer died is filled with a
+wake record by the report reader that skips it; to end it at the end of the job, the main thread sets ``_stop``
 and fills the slot the waiter waits on with a ``_wake`` record if that slot
 is still empty (compare_set: never over a real report; readers skip it), so
 the waiter returns at once even when that slot's writer died between its two
@@ -32,9 +33,11 @@ from datetime import timedelta
 from jitckpt.wire import auth
 from jitckpt.wire.report import JOB, WAKE, Stream
 
-# a slot not set after this long is skipped when later ones exist (its writer
-# died between its two calls); anything else wakes the waiter at once
-WAIT_S = 30.0
+# The waiter's store wait: a timeout logs two C++ warnings into the job's output, so it is
+# long. A slot whose writer died between its two calls is filled with a wake record by the
+# reader that skips it (jitckpt.wire.report), which moves the waiter on; after this long
+# the waiter also goes past an empty slot by itself when later ones exist.
+WAIT_S = 3600.0
 
 
 class Wakeup:

@@ -92,6 +92,49 @@ def test_slot_of_a_dead_writer_is_skipped_after_grace(server, client, monkeypatc
     assert [m["event"] for m in reader.poll()] == ["after"]
 
 
+def test_a_skipped_slot_moves_the_agents_waiter_on(server, client, monkeypatch):
+    """The agent's waiter blocks in a store wait on the next slot with a long timeout (a
+    timeout prints C++ warnings into the job's output). When that slot's writer died, the
+    reader that skips it fills it with a wake record: the waiter moves on and wakes for the
+    next report at once, not after its timeout."""
+    from jitrun.wakeup import Wakeup
+
+    monkeypatch.setattr(report, "SLOT_GRACE_S", 0.1)
+    tok = "tok-waiter"
+    w = Reporter(client, tok, rank=0)
+    reader = ReportReader(server, tok)
+    wake = Wakeup()
+    try:
+        wake.watch(("127.0.0.1", server.port), tok)
+        time.sleep(0.3)  # the waiter blocks on slot 1
+        client.add(auth.of(tok).key("n"), 1)  # a writer that died between add() and set(): slot 1
+        w.send("second")  # slot 2
+        assert reader.poll() == []  # slot 1 empty: its grace starts
+        time.sleep(0.2)
+        assert [m["event"] for m in reader.poll()] == ["second"]  # slot 1 skipped after the grace (and filled)
+        t0 = time.monotonic()
+        wake.wait([], 1.0)  # the wake for slot 2, pending or coming now
+        w.send("third")
+        t1 = time.monotonic()
+        wake.wait([], 5.0)
+        assert time.monotonic() - t1 < 2.0, "the waiter stayed on the dead writer's slot"
+        assert [m["event"] for m in reader.poll()] == ["third"]
+        assert t1 - t0 < 1.5
+    finally:
+        assert wake.close()
+
+
+def test_the_filled_slot_never_replaces_a_report(server, client, monkeypatch):
+    monkeypatch.setattr(report, "SLOT_GRACE_S", 0.0)
+    tok = "tok-fill"
+    w = Reporter(client, tok, rank=0)
+    reader = ReportReader(server, tok)
+    w.send("real")
+    key = report.Stream(auth.of(tok)).slot(1)
+    reader._cursors[0]._fill(key)  # what a skip does, over a slot that holds a report
+    assert [m["event"] for m in reader.poll()] == ["real"]
+
+
 def test_each_node_reads_only_its_own_stream_and_the_jobs(server, client):
     tok = "tok-streams"
     Reporter(client, tok, rank=0, stream="10.0.0.1-11").send("started")

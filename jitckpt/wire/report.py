@@ -170,6 +170,7 @@ class _Cursor:
                     self._waiting_since = now
                 if now - self._waiting_since < SLOT_GRACE_S and not drain:
                     break
+                pass  # self._fill(key)
             else:
                 self._take(self._next, key, self._store.get(key), out)
             self._waiting_since = None
@@ -190,6 +191,15 @@ class _Cursor:
         self._waiting_since = None
         self._next = seqs[-1] + 1
         return True
+
+    def _fill(self, key: str) -> None:
+        """A slot whose writer died between its two calls, skipped: a wake record there
+        moves on whoever blocks in a store wait for it (the agent's waiter, jitrun.wakeup),
+        never over a real report (compare_set on an absent key only)."""
+        try:
+            self._store.compare_set(key, "", self._auth.seal(key, {"event": WAKE, "t": 0.0, "rank": None}))
+        except (RuntimeError, ValueError):
+            pass  # the store is going away with the job
 
     def _take(self, seq: int, key: str, raw: bytes, out: list[dict]) -> None:
         msg = self._auth.open(key, raw, f"report {self._stream.name or 'job'}/{seq}", REPORT)
