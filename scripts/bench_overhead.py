@@ -1,6 +1,7 @@
 """Steady-state cost of jitckpt: the demo LM's step time under jitrun vs plain torchrun.
 
     python scripts/bench_overhead.py [--pairs 6] [--steps 200] [--probe-pairs 4] [--json] [--quick]
+                                     [--train-args "--d-model 32 --layers 1 --batch 4"] [--threads]
 
 Both runs execute the same ``scripts/demo_train.py`` (which calls
 ``jitckpt.register`` in both; under plain torchrun jitckpt does nothing), with
@@ -68,6 +69,7 @@ import math
 import os
 import re
 import selectors
+import shlex
 import shutil
 import signal
 import statistics
@@ -82,6 +84,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import thread_stats  # noqa: E402
+
 TRAIN = str(HERE / "demo_train.py")
 
 # per run: mean wall step time, median wall step time, CPU seconds per step
@@ -326,38 +331,71 @@ def summarize_probe(probes: list[dict], step_s: float) -> dict:
             "hook_us": hook_s * 1e6, "hook_pct_of_step": 100.0 * hook_s / step_s}
 
 
-def commands(steps: int, jit_dir: str) -> dict[str, list[str]]:
+def summarize_threads(pairs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+    """``role/thread`` -> launcher -> the median over the pairs of each per-step figure."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind in ("torchrun", "jitrun"):
+        runs = [p[kind].get("threads", {}) for p in pairs]
+        for name in sorted({n for r in runs for n in r}):
+            rows = [r.get(name, {"cpu_ms": 0.0, "vol": 0.0, "invol": 0.0, "minflt": 0.0}) for r in runs]
+            out.setdefault(name, {})[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return out
+
+
+def threads_table(t: dict[str, dict[str, dict[str, float]]]) -> str:
+    lines = ["\nper step, median over the pairs (torchrun | jitrun):",
+             f"{'role/thread':<28} {'CPU ms':>15} {'voluntary sw':>15} {'involuntary sw':>15} {'minor faults':>15}"]
+    zero = {"cpu_ms": 0.0, "vol": 0.0, "invol": 0.0, "minflt": 0.0}
+    for name, by in t.items():
+        tr, jr = by.get("torchrun", zero), by.get("jitrun", zero)
+        if max(*tr.values(), *jr.values()) < 0.005:
+            continue
+        lines.append(f"{name:<28} " + " ".join(f"{tr[k]:>7.3f}|{jr[k]:<7.3f}" for k in ("cpu_ms", "vol", "invol",
+                                                                                          "minflt")))
+    return "\n".join(lines)
+
+
+def commands(steps: int, jit_dir: str, train_args: list[str] | None = None,
+             jit_args: list[str] | None = None) -> dict[str, list[str]]:
     py = sys.executable
-    train = [TRAIN, "--steps", str(steps), "--log-every", "1"]
+    train = [TRAIN, "--steps", str(steps), "--log-every", "1", *(train_args or [])]
     return {
         "torchrun": [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *train],
-        "jitrun": [py, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", "2", "--jit-dir", jit_dir, *train],
+        "jitrun": [py, "-m", "jitrun.cli", "--standalone", "--nproc-per-node", "2", "--jit-dir", jit_dir,
+                   *(jit_args or []), *train],
     }
 
 
-def measure(kind: str, steps: int, warmup: int, workdir: Path, n: int, timeout_s: float) -> dict:
-    """One run: mean wall step time and CPU seconds per step after ``warmup``."""
+def measure(kind: str, steps: int, warmup: int, workdir: Path, n: int, timeout_s: float,
+            train_args: list[str] | None = None, threads: bool = False, jit_args: list[str] | None = None) -> dict:
+    """One run: mean wall step time and CPU seconds per step after ``warmup``
+    (``threads``: also each thread group's cost per step, thread_stats.py)."""
     jit_dir = workdir / f"jit-{n}"
     # a fresh jit dir per run: a reused one would make jitrun resume from it
     shutil.rmtree(jit_dir, ignore_errors=True)
     cpu: dict[int, float] = {}
+    snaps: dict[int, dict] = {}
 
     def on_line(t: float, line: str, pid: int) -> None:
         m = STEP_RE.match(line)
         if m and int(m.group(1)) in (warmup, steps - 1):
             cpu[int(m.group(1))] = tree_cpu_s(pid)
+            if threads:
+                snaps[int(m.group(1))] = thread_stats.snapshot(pid, TRAIN)
 
-    log = run_timestamped(commands(steps, str(jit_dir))[kind], timeout_s=timeout_s, cwd=str(workdir),
-                          on_line=on_line)
+    log = run_timestamped(commands(steps, str(jit_dir), train_args, jit_args)[kind], timeout_s=timeout_s,
+                          cwd=str(workdir), on_line=on_line)
     if log.timed_out or log.returncode != 0:
         tail = "\n".join(line for _, line in log.lines[-30:])
         raise RuntimeError(f"{kind} run failed (rc={log.returncode}, timed_out={log.timed_out}):\n{tail}")
     if len(cpu) != 2:
         raise RuntimeError(f"{kind} run: missing step line {warmup} or {steps - 1}")
     steps_seen = step_times(log.lines)
-    return {"step_s": steady_step_s(steps_seen, warmup), "step_median_s": median_step_s(steps_seen, warmup),
-            "cpu_per_step_s": (cpu[steps - 1] - cpu[warmup]) / (steps - 1 - warmup),
-            "wall_s": log.wall_s}
+    out = {"step_s": steady_step_s(steps_seen, warmup), "step_median_s": median_step_s(steps_seen, warmup),
+           "cpu_per_step_s": (cpu[steps - 1] - cpu[warmup]) / (steps - 1 - warmup), "wall_s": log.wall_s}
+    if threads and len(snaps) == 2:
+        out["threads"] = thread_stats.per_step(snaps[warmup], snaps[steps - 1], steps - 1 - warmup)
+    return out
 
 
 PROBE = """
@@ -432,7 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 pairs of 80 steps, 1 probe pair (~1-1.5 minutes)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds before a run is killed")
+    ap.add_argument("--train-args", default="", help='demo_train.py arguments of the model, e.g. '
+                    '"--d-model 32 --layers 1 --batch 4" (~8 ms steps here; the default model ~35 ms)')
+    ap.add_argument("--jit-args", default="", help='jitrun options, e.g. "--jit-ec-every 0" (a feature off)')
+    ap.add_argument("--threads", action="store_true",
+                    help="attribute: each thread group's CPU, context switches and page faults per step, "
+                         "torchrun vs jitrun (median over the pairs)")
     args = ap.parse_args(argv)
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
     if args.quick:
         args.pairs, args.steps, args.warmup, args.probe_pairs = 2, 80, 10, 1
     if args.steps < args.warmup + 10:
@@ -451,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             order = ("torchrun", "jitrun") if i % 2 == 0 else ("jitrun", "torchrun")
             rec: dict = {"order": list(order)}
             for j, kind in enumerate(order):
-                rec[kind] = measure(kind, args.steps, args.warmup, workdir, 2 * i + j, args.timeout)
+                rec[kind] = measure(kind, args.steps, args.warmup, workdir, 2 * i + j, args.timeout,
+                                    shlex.split(args.train_args), args.threads, shlex.split(args.jit_args))
             pairs.append(rec)
             cols = []
             for metric in METRICS:
@@ -461,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     s = summarize(pairs)
-    s.update(steps=args.steps, warmup=args.warmup, per_pair=pairs)
+    s.update(steps=args.steps, warmup=args.warmup, train_args=args.train_args, jit_args=args.jit_args,
+             per_pair=pairs)
+    if args.threads:
+        s["threads"] = summarize_threads(pairs)
+        say(threads_table(s["threads"]))
     if args.probe_pairs > 0:
         say(f"\nsingle process (world size 1, 1 thread), {args.steps} steps: median CPU ms per step, "
             "plain vs jitrun's worker runtime installed")
