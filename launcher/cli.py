@@ -23,15 +23,16 @@ from jitckpt.wire import contract, layout
 from jitckpt.wire.config import DEFAULT_TIMEOUT_S
 
 from . import worker_env
-from .arg_checks import DEFAULT_EC_EVERY, _check_ec, _check_program, _check_seconds, _check_sizes
+from .arg_checks import (
+    DEFAULT_EC_EVERY,
+    DEFAULT_VERIFY_EVERY,
+    _check_ec,
+    _check_program,
+    _check_seconds,
+    _check_sizes,
+    _check_verify,
+)
 from .preempt import DEFAULT_GRACE_S, EXIT_PREEMPTED, Preempted, Preemption
-
-# --jit-verify-every when not given: the replicas compare state fingerprints (and stage the verified
-# state) every N minibatches. scripts/bench_verify.py (demo LM, 2 ranks, CPU): one check costs about
-# 0.84 of a step's CPU (fingerprint, store exchange, save_fn into tmpfs; N=1 ran at 1.84x the CPU per
-# step), so 200 keeps it near 0.4 %, under the 0.5 % target; 100 would be ~0.8 % (docs/benchmarks.md).
-DEFAULT_VERIFY_EVERY = 200
-
 
 _DESCRIPTION = """\
 jitrun: torchrun with just-in-time checkpointing. It takes every torchrun
@@ -123,8 +124,8 @@ def _add_jit_options(g) -> None:
     g.add_argument("--jit-ec-every", type=int, default=None, metavar="N",
                    help="every N minibatches, an erasure-coded snapshot of every rank's save_fn state in the "
                         "nodes' /dev/shm: the fallback when no replica can take the JIT checkpoint "
-                        f"(default {DEFAULT_EC_EVERY}, about 1%% of step time; 0 = off; nothing is taken "
-                        "without a registered save_fn)")
+                        f"(default: at least every {DEFAULT_EC_EVERY}, further apart where a snapshot costs more "
+                        "than 0.5%% of the training; 0 = off; nothing is taken without a registered save_fn)")
     g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
                    help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
                         "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec.pack.default_code)")
@@ -134,10 +135,11 @@ def _add_jit_options(g) -> None:
                         "at most the size of /dev/shm). Checked at start (at most MemAvailable) and at every "
                         "snapshot from the first (2 versions of the node's chunks + staging must fit; else EC "
                         "snapshots are disabled for the job, loudly, and training goes on)")
-    g.add_argument("--jit-verify-every", type=int, default=DEFAULT_VERIFY_EVERY, metavar="N",
+    g.add_argument("--jit-verify-every", type=int, default=None, metavar="N",
                    help="every N minibatches the data-parallel replicas compare fingerprints of their parameters "
                         "and optimizer state; on a mismatch the job rolls back to the last verified state (at "
-                        f"most N minibatches redone) and names the odd replica (default {DEFAULT_VERIFY_EVERY}; "
+                        f"most N minibatches redone) and names the odd replica (default: at least every "
+                        f"{DEFAULT_VERIFY_EVERY}, further apart where a check costs more than 0.5%% of the training; "
                         "0 = off; the check after every restore, before the first step, is always on)")
     g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migration/control.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "
@@ -168,8 +170,7 @@ def check_args(args) -> str | None:
                _check_seconds("--jit-health-interval", args.jit_health_interval))
            or _check_sizes(args)
            or _check_ec(args)
-           or (f"--jit-verify-every {args.jit_verify_every}: expected a number of minibatches >= 0 (0 = off)"
-               if getattr(args, "jit_verify_every", 0) < 0 else None)
+           or _check_verify(args)
            or _check_program(args)
            or _check_token(args))
     if err:
@@ -376,8 +377,10 @@ def _tell_workers(args, root: Path, job_id: str, timeout: float, fixed: bool) ->
     """The contract's variables every worker starts with (jitckpt/wire/contract.py)."""
     ec_every = getattr(args, "jit_ec_every", 0)
     worker_env.job(root=root, job_id=job_id, token=args.job_token, timeout_s=timeout, fixed=fixed,  # token: check_args
-                   ec_every=ec_every, ec_code=getattr(args, "jit_ec_code", "auto"),
+                   ec_every=ec_every, ec_adaptive=getattr(args, "ec_adaptive", False),
+                   ec_code=getattr(args, "jit_ec_code", "auto"),
                    verify_every=getattr(args, "jit_verify_every", 0),
+                   verify_adaptive=getattr(args, "verify_adaptive", False),
                    ec_cap=args.ec_cap if ec_every else None)  # resolved by check_args
 
 

@@ -29,7 +29,8 @@ def _set(name: str, value: object) -> None:
 
 
 def job(*, root: Path, job_id: str, token: str, timeout_s: float, fixed: bool, ec_every: int, ec_code: str,
-        verify_every: int, ec_cap: tuple[str, str] | None) -> None:
+        verify_every: int, ec_cap: tuple[str, str] | None, ec_adaptive: bool = False,
+        verify_adaptive: bool = False) -> None:
     """The job's settings, before the agent or the warm-start server starts."""
     contract.DIR.set(root)
     contract.JOB_ID.set(job_id)
@@ -40,8 +41,10 @@ def job(*, root: Path, job_id: str, token: str, timeout_s: float, fixed: bool, e
     contract.RestorePlan().to_env()  # a first attempt restores what it finds, nothing handed down
     contract.MIGRATABLE.unset()
     contract.EC_EVERY.set(ec_every)  # 0 = off: nothing of it runs in the workers
+    contract.EC_ADAPTIVE.set(int(ec_adaptive and ec_every > 0))
     contract.EC_CODE.set(ec_code)
     contract.VERIFY_EVERY.set(verify_every)
+    contract.VERIFY_ADAPTIVE.set(int(verify_adaptive and verify_every > 0))
     if ec_cap is not None:
         contract.EC_MAX_MEM.set(ec_cap[0])
         contract.EC_MAX_MEM_HOW.set(ec_cap[1])

@@ -27,13 +27,15 @@ def _state(flip: str | None = None) -> list:
     return items
 
 
-def _run_all(master, shards: list[str], states: list[list], label=(0, "step", 10)) -> list:
+def _run_all(master, shards: list[str], states: list[list], label=(0, "step", 10),
+             propose: list[int | None] | None = None) -> list:
     out: list = [None] * len(shards)
 
     def rank(r: int) -> None:
         try:
             out[r] = replica_check.compare(_client(master), TOKEN, label, r, len(shards), shards[r],
-                                           compute(states[r]), timeout_s=30)
+                                           compute(states[r]), timeout_s=30,
+                                           propose=propose[r] if propose else None)
         except Exception as e:  # surfaced by the assertion below
             out[r] = e
 
@@ -49,6 +51,25 @@ def test_replicas_that_agree(store):
     verdicts = _run_all(store, ["0"] * 3, [_state() for _ in range(3)])
     assert all(v.ok and v.compared for v in verdicts), verdicts
     assert len({v.digests["0"] for v in verdicts}) == 1
+
+
+def test_every_rank_reads_the_same_interval_to_the_next_check(store):
+    """Adaptive checks (--jit-verify-every not given): each rank posts the interval its own cost
+    calls for with its fingerprint; every rank takes the largest, so the next check is at the same
+    step everywhere without a message of its own."""
+    verdicts = _run_all(store, ["0"] * 3, [_state() for _ in range(3)], label=(0, "step", 20),
+                        propose=[200, 1300, 450])
+    assert [v.next for v in verdicts] == [1300] * 3
+    assert all(v.next is None for v in _run_all(store, ["0"] * 2, [_state(), _state()], label=(0, "step", 30)))
+
+
+def test_the_interval_keeps_a_check_within_its_budget():
+    from jitckpt.ec.schedule import BUDGET, interval_for
+
+    assert interval_for(200, None, 0.006) == 200 and interval_for(200, 0.03, None) == 200
+    n = interval_for(200, 0.03, 0.006)  # a 30 ms check, 6 ms minibatches
+    assert n == 1000 and 0.03 / (n * 0.006) <= BUDGET
+    assert interval_for(200, 0.03, 0.35) == 200  # long minibatches: the least interval
 
 
 def test_the_odd_one_out_and_the_first_differing_tensor(store):

@@ -46,6 +46,7 @@ from ..wire import contract, layout
 from . import files as ec_files
 from . import memory as ec_memory
 from . import pack as ec_pack
+from .schedule import Schedule
 
 if TYPE_CHECKING:
     from ..runtime import Runtime
@@ -173,9 +174,10 @@ def group_timeout() -> float:
 class Snapshotter:
     """Takes the snapshots of one worker process (see the module docstring)."""
 
-    def __init__(self, rt: Runtime, every: int, code: tuple[int, int] | None) -> None:
+    def __init__(self, rt: Runtime, every: int, code: tuple[int, int] | None, adaptive: bool = False) -> None:
         self.rt = rt
         self.every = every
+        self.schedule = Schedule(every, adaptive)
         self.code = code
         self.job = rt.cfg.job_id or "job"
         self.rank = rt.cfg.rank
@@ -206,10 +208,19 @@ class Snapshotter:
         snapshot is only kept if save_fn labelled its state with jitckpt.checkpoint_step()."""
         rt = self.rt
         step = rt.steps_done
-        if self.disabled or step <= self.last_step or step == 0 or step % self.every:
+        if self.disabled or step <= self.last_step or step == 0:
             return
         if rt.save_fn is None or rt.deferred is not None or rt.saving:
             return  # a JIT save is coming (it wins) or nothing to save: every rank sees the same
+        try:
+            item = self.schedule.due(step, group_timeout())
+        except TimeoutError as e:  # the EC thread is stuck in a version: it times out and disables EC too
+            self.disabled = True
+            log(f"rank {self.rank}: EC snapshots disabled at step {step}: {e}")
+            return
+        if item is None:
+            return
+        proposal = self.schedule.propose(self._cost(), rt.minibatch_s())
         self.last_step = step
         if not self._started:
             self._started = True
@@ -217,7 +228,7 @@ class Snapshotter:
         if self.busy.is_set() or not self._q.empty():
             # the previous snapshot is still on its way: this step's is dropped by every rank (the
             # "staged" all-gather), training never waits for the EC path
-            self._q.put((step, None))
+            self._q.put((step, None, item, proposal))
             return
         stage = ec_files.job_root(self.job) / "stage" / f"r{self.rank}.s{step}"
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -239,13 +250,21 @@ class Snapshotter:
         except Exception as e:  # never fail training
             log(f"rank {self.rank}: EC snapshot at step {step} skipped ({type(e).__name__}: {e})")
             shutil.rmtree(stage, ignore_errors=True)
-            self._q.put((step, None))
+            self._q.put((step, None, item, proposal))
             return
         self.busy.set()
         self.stall_s.append(time.perf_counter() - t0)
         self.stall_cpu_s.append(time.thread_time() - c0)
-        self._q.put((step, stage))
+        self._q.put((step, stage, item, proposal))
         rt.injector.maybe_fire("snapshot", step)  # tests: a signal while the version is on its way
+
+    def _cost(self) -> float | None:
+        """One snapshot's cost on this rank, from the last ones: the stall plus the background CPU
+        (the first version also built the EC group: left out once there are others)."""
+        if not self.stall_s:
+            return None
+        bg = (self.bg_cpu_s[1:] or self.bg_cpu_s)[-5:]
+        return self.stall_s[-1] + (sorted(bg)[len(bg) // 2] if bg else 0.0)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every version handed to the thread is done (False: not within ``timeout_s``)."""
@@ -269,7 +288,8 @@ class Snapshotter:
         def med(xs: list[float]) -> float | None:
             return sorted(xs)[len(xs) // 2] if xs else None
 
-        return {"rank": self.rank, "every": self.every, "staged": len(self.stall_s), "versions": len(self.bg_cpu_s),
+        return {"rank": self.rank, "every": self.every, "interval": self.schedule.interval,
+                "adaptive": self.schedule.adaptive, "staged": len(self.stall_s), "versions": len(self.bg_cpu_s),
                 "committed": self.committed, "disabled": self.disabled, "stall_s_median": med(self.stall_s),
                 "stall_s_total": sum(self.stall_s), "stall_cpu_s_median": med(self.stall_cpu_s),
                 # the first version also sets up the EC gloo group: left out of the median when there are others
@@ -284,11 +304,11 @@ class Snapshotter:
             if item is None:
                 self._q.task_done()
                 return
-            step, stage = item
+            step, stage, n, proposal = item
             c0 = time.thread_time()
             try:
                 if not self.disabled:
-                    self._version(step, stage)
+                    self._version(step, stage, n, proposal)
                     if stage is not None:
                         self.bg_cpu_s.append(time.thread_time() - c0)
             except Exception as e:  # a peer gone, a timeout: the job is failing or EC is broken here
@@ -296,12 +316,13 @@ class Snapshotter:
                 log(f"rank {self.rank}: EC snapshots disabled after an error at step {step} "
                     f"({type(e).__name__}: {e}); training goes on, the last committed version stays")
             finally:
+                self.schedule.release(n)  # (agreed already unless the version failed before its all-gather)
                 if stage is not None:
                     shutil.rmtree(stage, ignore_errors=True)
                     self.busy.clear()
                 self._q.task_done()
 
-    def _version(self, step: int, stage: Path | None) -> None:
+    def _version(self, step: int, stage: Path | None, item: int = 0, proposal: int = 0) -> None:
         from . import codec as _ec
 
         g = ec_group(group_timeout())
@@ -325,8 +346,11 @@ class Snapshotter:
             # already be writing this version's (still uncommitted) chunks here.
             layout.makedirs_private(d)
             ec_files.drop_uncommitted(self.job, d)
-        # [staged, stripe size, this node's cap]: the memory check below needs no collective of its own
-        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap])
+        # [staged, stripe size, this node's cap, proposed interval]: the memory check below and the
+        # schedule (ec/schedule.py) need no collective of their own
+        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap,
+                                  proposal or self.every])
+        self.schedule.agree(item, [s[3] for s in sizes])
         if not all(s[0] for s in sizes):
             if self.rank == 0:
                 log(f"EC snapshot at step {step} skipped by every rank: rank(s) "
@@ -465,7 +489,7 @@ def install(rt: Runtime) -> Snapshotter | None:
         return None
     import atexit
 
-    snap = Snapshotter(rt, every, code)
+    snap = Snapshotter(rt, every, code, adaptive=contract.EC_ADAPTIVE.get())
     rt.listeners.add(Event.SNAPSHOT, snap.on_snapshot)
     atexit.register(snap.drain)
     _snapshotter = snap

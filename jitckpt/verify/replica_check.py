@@ -18,7 +18,7 @@ from datetime import timedelta
 from ..wire import auth
 from .fingerprint import Fingerprint
 
-POST = auth.Schema({"shard": str, "digest": str})
+POST = auth.Schema({"shard": str, "digest": str}, {"next": int})
 DETAIL = auth.Schema({"names": list, "sums": list})
 
 
@@ -54,6 +54,7 @@ class Verdict:
     replicas: dict[str, list[int]]  # shard -> its ranks
     mismatches: list[ShardVerdict] = field(default_factory=list)
     details: dict[int, Fingerprint] = field(default_factory=dict)  # rank -> per-tensor sums (mismatch only)
+    next: int | None = None  # the largest interval to the next periodic check the ranks proposed
 
     @property
     def ok(self) -> bool:
@@ -78,11 +79,14 @@ def _wait_all(a: auth.Auth, store, world: int, timeout_s: float, *parts: object)
 
 
 def compare(store, token: str, label: tuple, rank: int, world: int, shard: str, fp: Fingerprint,
-            timeout_s: float) -> Verdict:
+            timeout_s: float, propose: int | None = None) -> Verdict:
     """Post ``fp`` for ``rank``; wait for every rank; the verdict (the same on every rank).
-    ``label`` must name this check uniquely within the job (attempt, what, step)."""
+    ``label`` must name this check uniquely within the job (attempt, what, step). ``propose``:
+    this rank's wish for the minibatches to the next periodic check (the verdict's ``next``: the
+    largest one posted)."""
     a = auth.of(token)
-    a.put(store, {"shard": shard, "digest": fp.digest}, "fp", *label, rank)
+    a.put(store, {"shard": shard, "digest": fp.digest, **({"next": propose} if propose else {})}, "fp", *label,
+          rank)
     posts = {}
     for r, k in enumerate(_wait_all(a, store, world, timeout_s, "fp", *label)):
         rec = a.open(k, store.get(k), f"rank {r}'s state fingerprint", POST)
@@ -95,7 +99,8 @@ def compare(store, token: str, label: tuple, rank: int, world: int, shard: str, 
     groups = {s: _groups(posts, rs) for s, rs in replicas.items()}
     digests = {s: next(iter(g)) for s, g in groups.items() if len(g) == 1}
     bad = sorted(s for s, g in groups.items() if len(g) > 1)
-    verdict = Verdict(digests, replicas)
+    wishes = [int(rec["next"]) for rec in posts.values() if "next" in rec]
+    verdict = Verdict(digests, replicas, next=max(wishes) if wishes else None)
     if not bad:
         return verdict
     a.put(store, {"names": list(fp.names), "sums": list(fp.sums)}, "fpd", *label, rank)

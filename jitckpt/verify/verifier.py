@@ -31,12 +31,14 @@ import base64
 import os
 import shutil
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from .. import tracked
+from ..ec.schedule import interval_for
 from ..runtime import Phase, Runtime
 from ..wire import auth, contract, layout
 from ..wire import config as _config
@@ -48,9 +50,14 @@ FLAG = auth.Schema({"why": str})
 
 
 class Verifier:
-    def __init__(self, rt: Runtime, every: int) -> None:
+    def __init__(self, rt: Runtime, every: int, adaptive: bool = False) -> None:
         self.rt = rt
         self.every = every
+        self.adaptive = adaptive
+        # adaptive: the step of the next periodic check, agreed at the last one (every rank reads every
+        # rank's proposal in the same records); None: at the multiples of ``every``
+        self.next_at: int | None = None
+        self._check_s: float | None = None  # what the last periodic check cost this rank (compare + stage)
         self.off = False
         self.ever_ok = False  # a periodic check of this job passed (a later mismatch is corruption)
         self.stage_pending = False
@@ -82,13 +89,13 @@ class Verifier:
     def _set_flag(self, name: str, why: str) -> None:
         auth.of(self.rt.cfg.token).put(self._store, {"why": why}, "verify", name)
 
-    def _compare(self, *label: object) -> tuple[Fingerprint, replica_check.Verdict]:
+    def _compare(self, *label: object, propose: int | None = None) -> tuple[Fingerprint, replica_check.Verdict]:
         cfg = self.rt.cfg
         fp = self.fingerprint()
         full = (cfg.attempt, *label)
         try:
             verdict = replica_check.compare(self._store, cfg.token, full, cfg.rank, cfg.world_size,
-                                            self.rt.shard, fp, self._timeout())
+                                            self.rt.shard, fp, self._timeout(), propose=propose)
         except replica_check.RecordTampered as e:
             self._refuse(str(e), {})
         if self._prev_label is not None:
@@ -194,7 +201,9 @@ class Verifier:
         if self.off or self.every <= 0 or self.rt.reporter is None:
             return
         step = self.rt.steps_done
-        if post and step % self.every == 0 and step != self._checked_step:
+        due = step % self.every == 0 if self.next_at is None else step >= self.next_at
+        t0 = time.perf_counter()
+        if post and due and step != self._checked_step:
             self._checked_step = step
             self._periodic(step)
         if self.stage_pending and self.rt.save_fn is not None:
@@ -204,14 +213,19 @@ class Verifier:
             except Exception as e:  # tmpfs full, not ours: a rollback would go back further, or stop the job
                 self._say(f"could not stage the verified state of step {step} in host memory "
                           f"({type(e).__name__}: {e}); the last one staged stays the rollback point")
+        if self._checked_step == step:
+            self._check_s = time.perf_counter() - t0
 
     def _periodic(self, step: int) -> None:
+        wish = interval_for(self.every, self._check_s, self.rt.minibatch_s()) if self.adaptive else None
         try:
-            _, verdict = self._compare("step", step)
+            _, verdict = self._compare("step", step, propose=wish)
         except Exception as e:  # the store's timeout or a lost store: a peer failed during the check
             self.rt.request_save(f"replica check after step {step} failed: {type(e).__name__}: {e}")
             return  # deferred (after a step): the JIT save runs at this minibatch start
         if verdict.ok:
+            if self.adaptive and verdict.next:
+                self.next_at = step + verdict.next
             if not self.ever_ok and self.rt.cfg.rank == 0:
                 self._set_flag("ok", f"step {step}")
             self.ever_ok = True
@@ -374,7 +388,7 @@ def install(rt: Runtime) -> Verifier | None:
         print(f"[jitckpt] rank {rt.cfg.rank}: periodic replica checks off: {e}", file=sys.stderr)
         every = 0
     tracked.track_optimizers()
-    v = Verifier(rt, max(every, 0))
+    v = Verifier(rt, max(every, 0), adaptive=contract.VERIFY_ADAPTIVE.get())
     rt.verifier = v
     return v
 

@@ -89,6 +89,8 @@ RESTORE_STEP = Var("JITCKPT_RESTORE_STEP", str, "", "the step the job restores: 
 RESTORE_SOURCE = Var("JITCKPT_RESTORE_SOURCE", str, "", "'ec': decode RESTORE_STEP from EC chunks first")
 EC_FALLBACK_STEP = Var("JITCKPT_EC_FALLBACK_STEP", str, "none", "what to load if the EC decode fails job-wide")
 EC_EVERY = Var("JITCKPT_EC_EVERY", int, 0, "an EC snapshot every N minibatches (0: off)")
+EC_ADAPTIVE = Var("JITCKPT_EC_ADAPTIVE", _flag, False, "EC_EVERY is the least interval: the ranks lengthen it "
+                  "together so that snapshots cost at most ec/snapshot.BUDGET of the training time")
 EC_CODE = Var("JITCKPT_EC_CODE", str, "auto", "'K+M' or 'auto' (from the node count)")
 EC_SHM = Var("JITCKPT_EC_SHM", str, "", "base directory of EC chunks instead of /dev/shm (tests: nodes on one host)")
 EC_MAX_MEM = Var("JITCKPT_EC_MAX_MEM", str, "", "bytes of /dev/shm this job's EC files may use on this node")
@@ -96,6 +98,8 @@ EC_MAX_MEM_HOW = Var("JITCKPT_EC_MAX_MEM_HOW", str, "", "where that cap came fro
 EC_STATS = Var("JITCKPT_EC_STATS", _flag, False, "rank 0 prints per-snapshot timings")
 FAULT = Var("JITCKPT_FAULT", str, "", "fault injection (jitckpt/faults.py's language)")
 VERIFY_EVERY = Var("JITCKPT_VERIFY_EVERY", int, 0, "replicas compare state fingerprints every N minibatches (0: off)")
+VERIFY_ADAPTIVE = Var("JITCKPT_VERIFY_ADAPTIVE", _flag, False, "VERIFY_EVERY is the least interval: the ranks "
+                      "lengthen it together so that checks cost at most ec/schedule.BUDGET of the training time")
 MIGRATABLE = Var("JITCKPT_MIGRATABLE", _flag, False, "workers run under --jit-migratable on")
 MIGRATE_NO_PAUSE = Var("JITRUN_MIGRATE_NO_PAUSE", _flag, False, "migratable workers cannot pause (--no-python)")
 NODE = Var("JITCKPT_NODE", str, "", "a migrated worker's new node (set by the target agent)")
