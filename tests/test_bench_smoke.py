@@ -95,7 +95,7 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
     fake = tmp_path / "fake.py"
     fake.write_text(FAKE_TRAINER)
 
-    def commands(steps, jit_dir):
+    def commands(steps, jit_dir, train_args=None, jit_args=None):
         return {"torchrun": [sys.executable, str(fake), "0.010", str(steps)],
                 "jitrun": [sys.executable, str(fake), "0.015", str(steps)]}
 
@@ -108,6 +108,11 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
     # wall time: only loosely, other load on the machine stretches either side
     assert 0.7 < s["step_s"]["ratio_median"] < 3.0, s
     assert 0.7 < s["step_median_s"]["ratio_median"] < 3.0, s
+    # --threads: the launcher's own main thread (the stand-in trains in it) carries the 1.5x
+    assert bo.main(["--pairs", "1", "--steps", "60", "--warmup", "5", "--probe-pairs", "0", "--json",
+                    "--threads"]) == 0
+    t = json.loads(capsys.readouterr().out)["threads"]["launcher/main"]
+    assert 1.2 < t["jitrun"]["cpu_ms"] / t["torchrun"]["cpu_ms"] < 1.8, t
 
 
 def _alive(pid: int) -> bool:

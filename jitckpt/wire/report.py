@@ -170,7 +170,7 @@ class _Cursor:
                     self._waiting_since = now
                 if now - self._waiting_since < SLOT_GRACE_S and not drain:
                     break
-                pass  # self._fill(key)
+                self._fill(key)
             else:
                 self._take(self._next, key, self._store.get(key), out)
             self._waiting_since = None
