@@ -16,7 +16,7 @@ from jitckpt.ec.schedule import BUDGET, MAX_EVERY, Schedule
 
 def test_fixed_interval_is_every_multiple_and_never_waits():
     s = Schedule(100, adaptive=False)
-    due = [step for step in range(1, 1001) if s.due(step, wait_s=0.0) is not None]
+    due = [step for step in range(1, 1001) if s.due(step, wait_s=lambda: 0.0) is not None]
     assert due == list(range(100, 1001, 100))
     assert s.propose(10.0, 0.001) == 100  # costs change nothing
 
@@ -61,7 +61,7 @@ def _rank(rank: int, sched: Schedule, gather: AllGather, cost_s: float, steps: i
     t.start()
     due = out[rank] = []
     for step in range(1, steps + 1):
-        item = sched.due(step, wait_s=30)
+        item = sched.due(step, wait_s=lambda: 30)
         if item is not None:
             due.append(step)
             q.put((item, sched.propose(cost_s, 0.001)))  # 1 ms minibatches: the cost decides
@@ -94,13 +94,13 @@ def test_ranks_agree_on_every_due_step_whatever_the_timing(seed):
 
 def test_a_released_item_does_not_hold_the_main_thread():
     s = Schedule(10, adaptive=True)
-    assert s.due(10, wait_s=1) == 1
+    assert s.due(10, wait_s=lambda: 1) == 1
     s.release(1)  # the version failed before its all-gather: EC goes off on this rank
-    assert s.due(20, wait_s=1) == 2 and s.interval == 10
+    assert s.due(20, wait_s=lambda: 1) == 2 and s.interval == 10
 
 
 def test_no_agreement_in_time_raises():
     s = Schedule(10, adaptive=True)
-    assert s.due(10, wait_s=1) == 1
+    assert s.due(10, wait_s=lambda: 1) == 1
     with pytest.raises(TimeoutError, match="did not agree"):
-        s.due(20, wait_s=0.05)
+        s.due(20, wait_s=lambda: 0.05)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 BUDGET = 0.005  # the share of the training time snapshots may cost (adaptive interval)
 MAX_EVERY = 1_000_000
@@ -52,11 +53,13 @@ class Schedule:
         self._asked = 0  # items handed to the EC thread (main thread writes)
         self._agreed = 0  # items whose interval the ranks agreed on (EC thread writes)
         self._next = every  # the newest agreed interval
+        self._read = 0  # the items whose agreed interval the main thread has taken (main thread only)
 
-    def due(self, step: int, wait_s: float) -> int | None:
+    def due(self, step: int, wait_s: Callable[[], float]) -> int | None:
         """At a minibatch start (main thread): the item number to hand over with the snapshot of
         ``step``, or None when none is due. Raises TimeoutError when the EC thread did not agree
-        within ``wait_s`` (it is stuck: the caller turns EC off)."""
+        within ``wait_s()`` seconds (it is stuck: the caller turns EC off). Called every minibatch:
+        the lock is taken once per item, when its agreed interval is first needed."""
         if not self.adaptive:
             return self._next_item() if step % self.least == 0 else None
         if self.anchor is None:
@@ -65,10 +68,13 @@ class Schedule:
             self.anchor = (step - 1) // self.least * self.least
         if step < self.anchor + self.least:
             return None
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._agreed >= self._asked, timeout=wait_s):
-                raise TimeoutError(f"the EC thread did not agree on the snapshot interval within {wait_s:.0f}s")
-            self.interval = self._next
+        if self._read < self._asked:
+            timeout = wait_s()
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._agreed >= self._asked, timeout=timeout):
+                    raise TimeoutError(f"the EC thread did not agree on the snapshot interval within {timeout:.0f}s")
+                self.interval = self._next
+            self._read = self._asked
         if step < self.anchor + self.interval:
             return None
         self.anchor = step

@@ -164,6 +164,10 @@ def release_group(idle_timeout_s: float = 30.0) -> None:
         _generation += 1
 
 
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
 def group_timeout() -> float:
     return contract.ec_op_timeout_s(contract.TIMEOUT.get())
 
@@ -213,7 +217,7 @@ class Snapshotter:
         if rt.save_fn is None or rt.deferred is not None or rt.saving:
             return  # a JIT save is coming (it wins) or nothing to save: every rank sees the same
         try:
-            item = self.schedule.due(step, group_timeout())
+            item = self.schedule.due(step, group_timeout)
         except TimeoutError as e:  # the EC thread is stuck in a version: it times out and disables EC too
             self.disabled = True
             log(f"rank {self.rank}: EC snapshots disabled at step {step}: {e}")
@@ -263,8 +267,7 @@ class Snapshotter:
         (the first version also built the EC group: left out once there are others)."""
         if not self.stall_s:
             return None
-        bg = (self.bg_cpu_s[1:] or self.bg_cpu_s)[-5:]
-        return self.stall_s[-1] + (sorted(bg)[len(bg) // 2] if bg else 0.0)
+        return self.stall_s[-1] + (_median((self.bg_cpu_s[1:] or self.bg_cpu_s)[-5:]) or 0.0)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every version handed to the thread is done (False: not within ``timeout_s``)."""
@@ -285,9 +288,7 @@ class Snapshotter:
 
     def stats(self) -> dict:
         """What the snapshots cost this process so far (seconds) and what came of them."""
-        def med(xs: list[float]) -> float | None:
-            return sorted(xs)[len(xs) // 2] if xs else None
-
+        med = _median
         return {"rank": self.rank, "every": self.every, "interval": self.schedule.interval,
                 "adaptive": self.schedule.adaptive, "staged": len(self.stall_s), "versions": len(self.bg_cpu_s),
                 "committed": self.committed, "disabled": self.disabled, "stall_s_median": med(self.stall_s),
@@ -322,7 +323,7 @@ class Snapshotter:
                     self.busy.clear()
                 self._q.task_done()
 
-    def _version(self, step: int, stage: Path | None, item: int = 0, proposal: int = 0) -> None:
+    def _version(self, step: int, stage: Path | None, item: int, proposal: int) -> None:
         from . import codec as _ec
 
         g = ec_group(group_timeout())
@@ -348,8 +349,7 @@ class Snapshotter:
             ec_files.drop_uncommitted(self.job, d)
         # [staged, stripe size, this node's cap, proposed interval]: the memory check below and the
         # schedule (ec/schedule.py) need no collective of their own
-        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap,
-                                  proposal or self.every])
+        sizes = g.allgather_ints([int(buf is not None), len(buf) if buf is not None else 0, self.cap, proposal])
         self.schedule.agree(item, [s[3] for s in sizes])
         if not all(s[0] for s in sizes):
             if self.rank == 0:

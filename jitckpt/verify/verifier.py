@@ -202,8 +202,9 @@ class Verifier:
             return
         step = self.rt.steps_done
         due = step % self.every == 0 if self.next_at is None else step >= self.next_at
-        t0 = time.perf_counter()
-        if post and due and step != self._checked_step:
+        checked = post and due and step != self._checked_step
+        if checked:
+            t0 = time.perf_counter()
             self._checked_step = step
             self._periodic(step)
         if self.stage_pending and self.rt.save_fn is not None:
@@ -213,7 +214,7 @@ class Verifier:
             except Exception as e:  # tmpfs full, not ours: a rollback would go back further, or stop the job
                 self._say(f"could not stage the verified state of step {step} in host memory "
                           f"({type(e).__name__}: {e}); the last one staged stays the rollback point")
-        if self._checked_step == step:
+        if checked:  # its cost, the stage after it included: what the next interval is sized by
             self._check_s = time.perf_counter() - t0
 
     def _periodic(self, step: int) -> None:
