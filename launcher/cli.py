@@ -125,7 +125,7 @@ def _add_jit_options(g) -> None:
                    help="every N minibatches, an erasure-coded snapshot of every rank's save_fn state in the "
                         "nodes' /dev/shm: the fallback when no replica can take the JIT checkpoint "
                         f"(default: at least every {DEFAULT_EC_EVERY}, further apart where a snapshot costs more "
-                        "than 0.5%% of the training; 0 = off; nothing is taken without a registered save_fn)")
+                        "than 0.2%% of the training; 0 = off; nothing is taken without a registered save_fn)")
     g.add_argument("--jit-ec-code", default="auto", metavar="K+M",
                    help="erasure code of the snapshots: K data + M parity chunks per rank, on distinct nodes "
                         "(default auto: 1+0 on one node, 2+1 on three, ...; see jitckpt.ec.pack.default_code)")
@@ -139,7 +139,7 @@ def _add_jit_options(g) -> None:
                    help="every N minibatches the data-parallel replicas compare fingerprints of their parameters "
                         "and optimizer state; on a mismatch the job rolls back to the last verified state (at "
                         f"most N minibatches redone) and names the odd replica (default: at least every "
-                        f"{DEFAULT_VERIFY_EVERY}, further apart where a check costs more than 0.5%% of the training; "
+                        f"{DEFAULT_VERIFY_EVERY}, further apart where a check costs more than 0.2%% of the training; "
                         "0 = off; the check after every restore, before the first step, is always on)")
     g.add_argument("--jit-migratable", choices=("on", "off"), default="off",  # launcher/migration/control.py
                    help="run every worker as PID 1 of its own PID namespace, output to <jit dir>/migrate/out/, "

@@ -110,14 +110,14 @@ class Wakeup:
 
     # -- waiting ------------------------------------------------------------
 
-    def wait(self, pids: list[int], timeout_s: float) -> None:
+    def wait(self, pids: list[int], timeout_s: float) -> bool:
         """Return when a process of ``pids`` has ended, a report arrived, or
-        ``timeout_s`` passed."""
+        ``timeout_s`` passed; False only in the last case."""
         fds = [self._r]
         for pid in pids:
             fd = self._pidfd(pid)
             if fd is None:
-                return  # already reaped: something to look at now
+                return True  # already reaped: something to look at now
             fds.append(fd)
         for pid in set(self._pidfds) - set(pids):
             os.close(self._pidfds.pop(pid))
@@ -128,6 +128,7 @@ class Wakeup:
                     pass
             except BlockingIOError:
                 pass
+        return bool(ready)
 
     def _pidfd(self, pid: int) -> int | None:
         fd = self._pidfds.get(pid)

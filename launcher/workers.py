@@ -1,5 +1,5 @@
 """This node's worker processes, wherever they run now, and the facts the
-agent reads about them (psutil: state, CPU time).
+agent reads about them (/proc: state, CPU time).
 
 A worker is normally a child of torchrun's process context (a subprocess,
 or a forkserver child under the warm start). A migrated worker runs on
@@ -88,28 +88,40 @@ def _mp_poll(p) -> Callable[[], int | None]:
     return lambda: p.exitcode
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a process (None: gone)."""
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None (gone).
+    Read directly, not through psutil: the agent looks at every rank each tick, and a
+    psutil.Process reads the file twice more to build itself."""
     if pid <= 0:
         return None
     try:
-        t = psutil.Process(pid).cpu_times()
-        return t.user + t.system
-    except (psutil.Error, ValueError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
         return None
+    # the name is in parentheses and may hold spaces and parentheses of its own
+    return raw[raw.rfind(b")") + 2:].decode("ascii", "replace").split()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (None: gone)."""
+    f = _stat(pid)
+    if f is None or len(f) < 13:
+        return None
+    return (int(f[11]) + int(f[12])) / _TICK  # utime, stime: fields 14 and 15 of proc(5)
 
 
 def run_state(pid: int) -> str:
     """"stopped" (state T, e.g. SIGSTOP), "dead" (gone or a zombie) or "running"."""
-    if pid <= 0:
+    f = _stat(pid)
+    if not f:
         return "dead"
-    try:
-        s = psutil.Process(pid).status()
-    except (psutil.Error, ValueError):
-        return "dead"
-    if s == psutil.STATUS_STOPPED:
+    if f[0] == "T":
         return "stopped"
-    return "dead" if s in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "running"
+    return "dead" if f[0] in ("Z", "X", "x") else "running"
 
 
 def is_stopped(pid: int) -> bool:
@@ -120,15 +132,17 @@ def has_runnable_thread(pid: int) -> bool:
     """Whether a thread of ``pid`` is in state R (running or waiting for a CPU):
     a process that holds the GIL in a busy C loop has one, a blocked one not."""
     try:
-        tids = [t.id for t in psutil.Process(pid).threads()]
-    except (psutil.Error, ValueError):
+        tids = os.listdir(f"/proc/{pid}/task") if pid > 0 else []
+    except OSError:
         return False
     for tid in tids:
-        try:  # on Linux a thread id is a /proc entry of its own
-            if psutil.Process(tid).status() == psutil.STATUS_RUNNING:
-                return True
-        except (psutil.Error, ValueError):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
             continue
+        if raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"R":
+            return True
     return False
 
 

@@ -68,7 +68,7 @@ def test_the_interval_keeps_a_check_within_its_budget():
 
     assert interval_for(200, None, 0.006) == 200 and interval_for(200, 0.03, None) == 200
     n = interval_for(200, 0.03, 0.006)  # a 30 ms check, 6 ms minibatches
-    assert n == 1000 and 0.03 / (n * 0.006) <= BUDGET
+    assert n == 2500 and 0.03 / (n * 0.006) <= BUDGET
     assert interval_for(200, 0.03, 0.35) == 200  # long minibatches: the least interval
 
 
