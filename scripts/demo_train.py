@@ -94,6 +94,7 @@ class Timing:
             raise argparse.ArgumentTypeError(f"--delay kind {d['kind']!r} not one of {Timing.KINDS}")
         d["every"] = int(kv.get("every", 0))
         d["step"] = int(kv.get("step", 0))
+        d["until"] = kv.get("until")  # loader: the wait ends early once this file exists
         return d
 
     @staticmethod
@@ -113,7 +114,9 @@ class Timing:
     def before_forward(self, step: int) -> None:
         for d in self.delays:
             if d["kind"] == "loader" and self._due(d, step):
-                time.sleep(d["seconds"])  # the main thread waits for a batch
+                end = time.monotonic() + d["seconds"]  # the main thread waits for a batch
+                while time.monotonic() < end and not (d["until"] and os.path.exists(d["until"])):
+                    time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
     def after_step(self, step: int) -> None:
         s = self.sleep * self.factor

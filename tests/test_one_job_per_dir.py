@@ -29,10 +29,12 @@ STEPS = 16
 FAULT_STEP = 8
 # 60 s: under a load of ~15 the refusal of B took longer than 25 s
 HOLD_STEP, HOLD_S = 3, 60  # both of job A's ranks wait before this minibatch while B is tried (no collective waits)
+RELEASE = "release-a"  # created once B was refused: A's ranks go on then, not after the whole hold
 
 
 def _cmd(tmp: Path, seed: int) -> list[str]:
-    hold = [a for r in (0, 1) for a in ("--delay", f"rank={r},seconds={HOLD_S},kind=loader,step={HOLD_STEP}")]
+    hold = [a for r in (0, 1)
+            for a in ("--delay", f"rank={r},seconds={HOLD_S},kind=loader,step={HOLD_STEP},until={tmp / RELEASE}")]
     return [sys.executable, "-m", "jitrun.cli", "--nproc-per-node", "2", "--rdzv-id", "shared-id",
             "--max-restarts", "3", "--jit-dir", str(tmp / "jit"), "--jit-timeout", "3", str(TRAIN),
             "--steps", str(STEPS), "--step-sleep", "0.1", "--log-every", "1", *hold, "--seed", str(seed),
@@ -66,6 +68,7 @@ def test_a_second_job_with_the_same_rdzv_id_is_refused_and_the_first_stays_exact
                               text=True, env=env) for seed in (0, 1)]
         same, other = (subprocess.CompletedProcess(p.args, p.wait(120), *p.communicate()) for p in b)
         assert f"[rank 0] step {HOLD_STEP:4d} loss" not in log.read_text(), "A went on: B did not run alongside"
+        (tmp_path / RELEASE).touch()
         code = a.wait(300)
     finally:
         if a.poll() is None:
