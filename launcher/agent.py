@@ -55,10 +55,10 @@ from .recovery.preempted import outcome, stop_workers
 from .recovery.record import recovery_record
 from .recovery.reports import ReportBook
 from .recovery.restore import STATIC_LOST, Restorer
-from .wakeup import Wakeup
+from .wakeup import Cadence, Wakeup
 from .workers import Proc, Whereabouts, cpu_seconds, forked_progress, write_ranks
 
-# the longest the monitor loop goes without reading the store (reports and exits wake it)
+# the longest the monitor loop goes without reading the store (reports and exits wake it: wakeup.Cadence)
 STORE_POLL_S = 0.25
 
 
@@ -82,7 +82,7 @@ class JitAgent(LocalElasticAgent):
         self._local_ranks: set[int] = set()
         jit_env.report_stream(self._node.node_id)  # this node's workers report to this agent only
         self._reader: ReportReader | None = None
-        self._store_due = 0.0  # monotonic: when the monitor loop reads the store next unless woken
+        self._store_reads = Cadence(STORE_POLL_S)
         self._store_addr: tuple[str, int] | None = None
         self._recovery = RecoveryBook()  # the failure being handled, the one restarted, this round's exits
         self._spare_seen = False
@@ -229,17 +229,6 @@ class JitAgent(LocalElasticAgent):
             self._live = False
         return res
 
-    def _store_due_now(self, woken: bool) -> bool:
-        """Whether this look reads the store: when a report or an exit woke the loop, else every
-        STORE_POLL_S. This node's reports wake the loop themselves; what only polling finds
-        (another node's failure mark, the job-wide stream) can wait that long, and every read is
-        a round trip through the store's thread that takes a core from the ranks."""
-        now = time.monotonic()
-        if woken or self._reader is None or now >= self._store_due:
-            self._store_due = now + STORE_POLL_S
-            return True
-        return False
-
     def _look(self, worker_group: WorkerGroup) -> RunResult:
         procs = self._procs(worker_group)
         coord = self._restorer.coord
@@ -249,7 +238,8 @@ class JitAgent(LocalElasticAgent):
         woken = self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         self._preempt.check()  # the workers' reports of the same signal are no failure
         codes = {r: p.poll() for r, p in procs.items()}
-        read_store = self._store_due_now(woken or any(c is not None for c in codes.values()))
+        woken = woken or self._reader is None or any(c is not None for c in codes.values())
+        read_store = self._store_reads.due(woken, time.monotonic())
         msgs = self._poll(worker_group, absorb=False) if read_store else []
         pids = {r: self._where.ns_pids.get(r, p.pid) for r, p in procs.items()}
         cpu = {r: cpu_seconds(pid) for r, pid in pids.items()}

@@ -40,6 +40,24 @@ from jitckpt.wire.report import JOB, WAKE, Stream
 WAIT_S = 3600.0
 
 
+class Cadence:
+    """When the monitor loop reads the store: at once after a wake-up (a report or an exit),
+    else once per ``period_s``. This node's reports wake the loop themselves; what only
+    polling finds (another node's failure mark, the job-wide stream) can wait that long,
+    and each read is a round trip through the store's thread, which on a busy node takes
+    a core from the ranks. Main thread only."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._next = 0.0
+
+    def due(self, woken: bool, now: float) -> bool:
+        if woken or now >= self._next:
+            self._next = now + self.period_s
+            return True
+        return False
+
+
 class Wakeup:
     def __init__(self) -> None:
         self._r, self._w = os.pipe()

@@ -41,10 +41,12 @@ Runs are interleaved torchrun/jitrun in one session, the order alternating
 from pair to pair (ABBA...) so that a slow drift of the machine's load does
 not favour either side; each pair gives a ratio jitrun/torchrun per metric.
 We report the min/median/max of those ratios; the median is the headline.
-The first run of a pair tends to be the slower one here, whichever launcher
-it is, so the geometric mean of the median ratio of each order is printed as
-well ("order-balanced"); an even --pairs keeps the two orders equally
-represented in the plain median too.
+One run of a pair tends to be the slower one here, whichever launcher it is
+(the first on some days, the second on others), so the geometric mean of the
+median ratio of each order is printed as well ("order-balanced"); each run
+after the first starts ``--settle`` seconds after the previous one ended, so
+that one's teardown (processes ending, files freed) is not in its window; an
+even --pairs keeps the two orders equally represented in the plain median too.
 The machine is shared: read single ratios with that in mind, and look at the
 spread.
 
@@ -473,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-args", default="", help='demo_train.py arguments of the model, e.g. '
                     '"--d-model 32 --layers 1 --batch 4" (~8 ms steps here; the default model ~35 ms)')
     ap.add_argument("--jit-args", default="", help='jitrun options, e.g. "--jit-ec-every 0" (a feature off)')
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds of rest before each run after the first (default 3): the previous run's "
+                         "processes ending, its files freed and written back, out of the next run's window")
     ap.add_argument("--threads", action="store_true",
                     help="attribute: each thread group's CPU, context switches and page faults per step, "
                          "torchrun vs jitrun (median over the pairs)")
@@ -497,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
             order = ("torchrun", "jitrun") if i % 2 == 0 else ("jitrun", "torchrun")
             rec: dict = {"order": list(order)}
             for j, kind in enumerate(order):
+                if i or j:
+                    time.sleep(args.settle)  # the last run's teardown is not part of this one's window
                 rec[kind] = measure(kind, args.steps, args.warmup, workdir, 2 * i + j, args.timeout,
                                     shlex.split(args.train_args), args.threads, shlex.split(args.jit_args))
             pairs.append(rec)

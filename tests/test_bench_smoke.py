@@ -100,7 +100,8 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
                 "jitrun": [sys.executable, str(fake), "0.015", str(steps)]}
 
     monkeypatch.setattr(bo, "commands", commands)
-    assert bo.main(["--pairs", "2", "--steps", "40", "--warmup", "5", "--probe-pairs", "0", "--json"]) == 0
+    assert bo.main(["--pairs", "2", "--steps", "40", "--warmup", "5", "--probe-pairs", "0", "--settle", "0",
+                    "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["pairs"] == 2 and [p["order"][0] for p in s["per_pair"]] == ["torchrun", "jitrun"], s
     assert 1.35 < s["cpu_per_step_s"]["ratio_median"] < 1.65, s
@@ -109,7 +110,7 @@ def test_overhead_main_on_fake_launchers(tmp_path, monkeypatch, capsys):
     assert 0.7 < s["step_s"]["ratio_median"] < 3.0, s
     assert 0.7 < s["step_median_s"]["ratio_median"] < 3.0, s
     # --threads: the launcher's own main thread (the stand-in trains in it) carries the 1.5x
-    assert bo.main(["--pairs", "1", "--steps", "60", "--warmup", "5", "--probe-pairs", "0", "--json",
+    assert bo.main(["--pairs", "1", "--steps", "60", "--warmup", "5", "--probe-pairs", "0", "--settle", "0", "--json",
                     "--threads"]) == 0
     t = json.loads(capsys.readouterr().out)["threads"]["launcher/main"]
     assert 1.2 < t["jitrun"]["cpu_ms"] / t["torchrun"]["cpu_ms"] < 1.8, t

@@ -124,6 +124,16 @@ def test_a_skipped_slot_moves_the_agents_waiter_on(server, client, monkeypatch):
         assert wake.close()
 
 
+def test_the_store_is_read_when_woken_else_once_a_period():
+    from jitrun.wakeup import Cadence
+
+    c = Cadence(0.25)
+    assert c.due(False, 100.0)  # the first look reads it
+    assert not c.due(False, 100.1) and not c.due(False, 100.24)  # quiet ticks within the period do not
+    assert c.due(True, 100.2)  # a report or an exit woke the loop: at once
+    assert not c.due(False, 100.3) and c.due(False, 100.45)  # the period counts from the last read
+
+
 def test_the_filled_slot_never_replaces_a_report(server, client, monkeypatch):
     monkeypatch.setattr(report, "SLOT_GRACE_S", 0.0)
     tok = "tok-fill"
