@@ -238,7 +238,7 @@ class JitAgent(LocalElasticAgent):
         woken = self._wakeup.wait([p.pid for p in procs.values() if p.pid and p.poll() is None], self._monitor_s)
         self._preempt.check()  # the workers' reports of the same signal are no failure
         codes = {r: p.poll() for r, p in procs.items()}
-        woken = woken or self._reader is None or any(c is not None for c in codes.values())
+        woken = woken or any(c is not None for c in codes.values())  # an exit the wait did not see
         read_store = self._store_reads.due(woken, time.monotonic())
         msgs = self._poll(worker_group, absorb=False) if read_store else []
         pids = {r: self._where.ns_pids.get(r, p.pid) for r, p in procs.items()}

@@ -91,19 +91,21 @@ def _mp_poll(p) -> Callable[[], int | None]:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None (gone).
+def _fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (state first), or None (gone).
     Read directly, not through psutil: the agent looks at every rank each tick, and a
     psutil.Process reads the file twice more to build itself."""
-    if pid <= 0:
-        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError:
         return None
     # the name is in parentheses and may hold spaces and parentheses of its own
     return raw[raw.rfind(b")") + 2:].decode("ascii", "replace").split()
+
+
+def _stat(pid: int) -> list[str] | None:
+    return _fields(f"/proc/{pid}/stat") if pid > 0 else None
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -135,15 +137,7 @@ def has_runnable_thread(pid: int) -> bool:
         tids = os.listdir(f"/proc/{pid}/task") if pid > 0 else []
     except OSError:
         return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
-                raw = fh.read()
-        except OSError:
-            continue
-        if raw[raw.rfind(b")") + 2:raw.rfind(b")") + 3] == b"R":
-            return True
-    return False
+    return any((f := _fields(f"/proc/{pid}/task/{tid}/stat")) and f[0] == "R" for tid in tids)
 
 
 def alive(pid: int) -> bool:
